@@ -1,0 +1,33 @@
+# Every target is self-sufficient on a fresh machine with only Python 3.11+.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/nodus demo
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m 'not slow'
+
+lint: $(STAMP)
+	$(BIN)/ruff check libs services tests
+	$(BIN)/ruff format --check libs services tests
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python -m tests.bench.placement
+
+clean:
+	rm -rf $(VENV) .nodus .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,220 @@
+"""The bus: one NATS connection, the journal (streams and KV) checked at start, requests and
+services whose failures are readable errors with stable codes (C1, C7)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType, StreamConfig
+from nats.micro import add_service
+from nats.micro.request import Request
+from nats.micro.service import Service
+
+from libs.bus.connection import connect, jetstream
+from libs.bus.kv import Bucket
+from libs.contracts.base import decode, encode
+from libs.contracts.errors import ErrorCode, ErrorReply, NodusError
+from libs.contracts.names import EVENTS_STREAM, EVENTS_SUBJECTS
+
+log = logging.getLogger("nodus.bus")
+
+S = TypeVar("S", bound=msgspec.Struct)
+R = TypeVar("R", bound=msgspec.Struct)
+Req = TypeVar("Req", bound=msgspec.Struct)
+Rep = TypeVar("Rep", bound=msgspec.Struct)
+
+ERROR_HEADER = "Nats-Service-Error"
+ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+
+# History kept per key: enough for `describe` to show recent transitions.
+BUCKET_HISTORY = {"nodus-jobs": 10, "nodus-ranktables": 10, "nodus-epochs": 5}
+
+
+class Bus:
+    """What a service holds: the connection, JetStream, typed buckets."""
+
+    def __init__(self, nc: Client, js: JetStreamContext) -> None:
+        self.nc = nc
+        self.js = js
+        self._buckets: dict[str, Any] = {}
+        self._services: list[Service] = []
+
+    @classmethod
+    async def open(
+        cls,
+        url: str | None = None,
+        name: str = "nodus",
+        credentials: str | None = None,
+        buckets: list[str] | None = None,
+        streams: bool = False,
+    ) -> Bus:
+        """Connect and make sure the journal is there (C7): refuse to start without it."""
+        nc = await connect(url, name=name, credentials=credentials)
+        bus = cls(nc, jetstream(nc))
+        try:
+            if streams:
+                await bus.ensure_stream(EVENTS_STREAM, EVENTS_SUBJECTS)
+            for bucket in buckets or []:
+                await bus.ensure_bucket(bucket)
+        except BaseException:
+            await nc.close()
+            raise
+        return bus
+
+    async def ensure_stream(self, name: str, subjects: list[str]) -> None:
+        try:
+            try:
+                await self.js.stream_info(name)
+            except nats.js.errors.NotFoundError:
+                await self.js.add_stream(
+                    StreamConfig(
+                        name=name,
+                        subjects=subjects,
+                        storage=StorageType.FILE,
+                        duplicate_window=120.0,
+                    )
+                )
+        except NodusError:
+            raise
+        except Exception as error:
+            raise _journal_error(f"stream {name}", error) from error
+
+    async def ensure_bucket(self, name: str) -> None:
+        try:
+            try:
+                kv = await self.js.key_value(name)
+            except nats.js.errors.BucketNotFoundError:
+                try:
+                    kv = await self.js.create_key_value(
+                        KeyValueConfig(
+                            bucket=name,
+                            history=BUCKET_HISTORY.get(name, 1),
+                            storage=StorageType.FILE,
+                        )
+                    )
+                except nats.js.errors.BadRequestError:
+                    kv = await self.js.key_value(name)  # another process created it first
+        except Exception as error:
+            raise _journal_error(f"KV bucket {name}", error) from error
+        self._buckets[name] = kv
+
+    def bucket(self, name: str, kind: type[S]) -> Bucket[S]:
+        if name not in self._buckets:
+            raise NodusError(ErrorCode.INTERNAL, f"bucket {name} was not opened at start")
+        return Bucket(self._buckets[name], kind, name)
+
+    async def request(
+        self, subject: str, body: msgspec.Struct, reply: type[R], timeout: float = 5.0
+    ) -> R:
+        """A request whose every failure is a NodusError with a stable code (C1)."""
+        try:
+            msg = await self.nc.request(subject, encode(body), timeout=timeout)
+        except nats.errors.NoRespondersError:
+            raise NodusError(
+                ErrorCode.NO_RESPONDERS,
+                f"nobody answers {subject}: the service or agent it names is not running",
+            ) from None
+        except nats.errors.TimeoutError:
+            raise NodusError(
+                ErrorCode.TIMEOUT, f"no answer on {subject} within {timeout:g}s"
+            ) from None
+        headers = msg.headers or {}
+        if ERROR_HEADER in headers:
+            try:
+                error = decode(msg.data, ErrorReply)
+            except msgspec.DecodeError:
+                error = ErrorReply(code=ErrorCode.INTERNAL, message=headers[ERROR_HEADER])
+            raise NodusError.from_reply(error)
+        try:
+            return decode(msg.data, reply)
+        except msgspec.DecodeError as bad:
+            raise NodusError(ErrorCode.INTERNAL, f"malformed reply on {subject}: {bad}") from bad
+
+    async def publish(self, subject: str, body: msgspec.Struct, dedup_id: str | None = None) -> None:
+        """Publish into a stream; `dedup_id` makes a retry land once."""
+        headers = {"Nats-Msg-Id": dedup_id} if dedup_id else None
+        await self.js.publish(subject, encode(body), headers=headers)
+
+    async def serve(
+        self,
+        name: str,
+        version: str,
+        description: str,
+        endpoints: list[Endpoint[Any, Any]],
+        queue_group: str | None = None,
+    ) -> Service:
+        """A nats micro service: answers `$SRV.PING/INFO/STATS` like any NATS service."""
+        service = await add_service(
+            self.nc, name=name, version=version, description=description, queue_group=queue_group
+        )
+        for endpoint in endpoints:
+            await service.add_endpoint(
+                name=endpoint.name, subject=endpoint.subject, handler=endpoint.handle
+            )
+        self._services.append(service)
+        return service
+
+    async def close(self) -> None:
+        for service in self._services:
+            try:
+                await service.stop()
+            except Exception as error:  # stopping is best effort on the way out
+                log.debug("service stop: %s", error)
+        self._services.clear()
+        if not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), timeout=2.0)
+            except Exception:
+                await self.nc.close()
+
+
+class Endpoint(Generic[Req, Rep]):
+    """One request/reply endpoint: decodes the body, maps every failure to a readable error."""
+
+    def __init__(
+        self,
+        name: str,
+        subject: str,
+        request: type[Req],
+        handler: Callable[[Req], Awaitable[Rep]],
+    ) -> None:
+        self.name = name
+        self.subject = subject
+        self.request = request
+        self.handler = handler
+
+    async def handle(self, request: Request) -> None:
+        try:
+            body = decode(request.data, self.request)
+        except (msgspec.ValidationError, msgspec.DecodeError) as error:
+            await _respond_error(request, NodusError(ErrorCode.INVALID, f"malformed request: {error}"))
+            return
+        try:
+            reply = await self.handler(body)
+        except NodusError as error:
+            await _respond_error(request, error)
+            return
+        except Exception as error:
+            log.exception("handler %s failed", self.name)
+            await _respond_error(request, NodusError(ErrorCode.INTERNAL, f"{self.name}: {error!r}"))
+            return
+        await request.respond(encode(reply))
+
+
+async def _respond_error(request: Request, error: NodusError) -> None:
+    await request.respond_error(error.code.value, error.message, data=encode(error.to_reply()))
+
+
+def _journal_error(what: str, error: Exception) -> NodusError:
+    return NodusError(
+        ErrorCode.JOURNAL_UNAVAILABLE,
+        f"the journal is mandatory and {what} is unavailable: {error!r} "
+        "(is JetStream enabled on the NATS server? `nodus up` starts it with -js)",
+    )

@@ -1,0 +1,162 @@
+"""Typed JetStream KV: get, create, compare-and-set updates on revisions, snapshots, watches."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import msgspec
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.kv import KeyValue
+from prometheus_client import Counter
+
+from libs.contracts.base import decode, encode
+from libs.contracts.errors import ErrorCode, NodusError
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+log = logging.getLogger("nodus.bus")
+
+MALFORMED_RECORDS = Counter(
+    "nodus_bus_malformed_records_total",
+    "KV records skipped because they did not decode (S3: counted, never fatal)",
+    ["bucket"],
+)
+
+KV_DEL = "DEL"
+KV_PURGE = "PURGE"
+
+
+@dataclass(frozen=True, slots=True)
+class Versioned(Generic[T]):
+    key: str
+    value: T
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Change(Generic[T]):
+    """One change seen by a watcher, in bucket order. `value` is None for a delete."""
+
+    key: str
+    value: T | None
+    revision: int
+
+
+class Bucket(Generic[T]):
+    """One KV bucket holding records of one type."""
+
+    def __init__(self, kv: KeyValue, kind: type[T], name: str) -> None:
+        self._kv = kv
+        self.kind = kind
+        self.name = name
+
+    async def get(self, key: str) -> Versioned[T] | None:
+        try:
+            entry = await self._kv.get(key)
+        except KeyNotFoundError:
+            return None
+        if entry.value is None or entry.operation in (KV_DEL, KV_PURGE):
+            return None
+        return Versioned(key, self._decode(key, entry.value), entry.revision or 0)
+
+    async def put(self, key: str, value: T) -> int:
+        return int(await self._kv.put(key, encode(value)))
+
+    async def create(self, key: str, value: T) -> int | None:
+        """Write only if the key holds nothing; None when somebody else holds it."""
+        try:
+            return int(await self._kv.create(key, encode(value)))
+        except KeyWrongLastSequenceError:
+            return None
+
+    async def update(self, key: str, value: T, revision: int) -> int | None:
+        """Compare-and-set: write only if the key is still at `revision`; None if it moved on."""
+        try:
+            return int(await self._kv.update(key, encode(value), last=revision))
+        except KeyWrongLastSequenceError:
+            return None
+
+    async def delete(self, key: str, revision: int | None = None) -> bool:
+        """Delete (compare-and-set when `revision` is given); False if the key moved on."""
+        try:
+            await self._kv.delete(key, last=revision)
+        except KeyWrongLastSequenceError:
+            return False
+        except Exception as error:  # the server answers a CAS miss on delete with an APIError
+            if getattr(error, "err_code", None) in (10071, 10164):
+                return False
+            raise
+        return True
+
+    async def mutate(
+        self, key: str, change: Callable[[T | None], T | None], attempts: int = 50
+    ) -> Versioned[T] | None:
+        """Read, change, compare-and-set, retry on a race; `change` returning None stops."""
+        for _ in range(attempts):
+            current = await self.get(key)
+            new = change(current.value if current else None)
+            if new is None:
+                return None
+            if current is None:
+                revision = await self.create(key, new)
+            else:
+                revision = await self.update(key, new, current.revision)
+            if revision is not None:
+                return Versioned(key, new, revision)
+        raise NodusError(ErrorCode.CONFLICT, f"{self.name}/{key}: too many concurrent writers")
+
+    async def snapshot(self, keys: str = ">") -> dict[str, Versioned[T]]:
+        """Every live key matching `keys`, read in one ordered pass."""
+        result: dict[str, Versioned[T]] = {}
+        watcher = await self._kv.watch(keys, ignore_deletes=True)
+        try:
+            while True:
+                entry = await watcher.updates(timeout=10.0)
+                if entry is None:
+                    break
+                value = self._decode_or_skip(entry.key, entry.value) if entry.value else None
+                if value is not None:
+                    result[entry.key] = Versioned(entry.key, value, entry.revision or 0)
+                if entry.delta == 0:
+                    break
+        except NoKeysError:
+            pass
+        finally:
+            await watcher.stop()
+        return result
+
+    async def watch(self, keys: str = ">", history: bool = False) -> AsyncIterator[Change[T]]:
+        """Current values, then every change in order; a delete arrives with value None."""
+        watcher = await self._kv.watch(keys, include_history=history)
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    continue
+                if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                    yield Change(entry.key, None, entry.revision or 0)
+                    continue
+                value = self._decode_or_skip(entry.key, entry.value)
+                if value is not None:
+                    yield Change(entry.key, value, entry.revision or 0)
+        finally:
+            await asyncio.shield(watcher.stop())
+
+    def _decode(self, key: str, data: bytes) -> T:
+        try:
+            return decode(data, self.kind)
+        except msgspec.ValidationError as error:
+            raise NodusError(
+                ErrorCode.INTERNAL, f"{self.name}/{key} holds a malformed record: {error}"
+            ) from error
+
+    def _decode_or_skip(self, key: str, data: bytes) -> T | None:
+        try:
+            return decode(data, self.kind)
+        except msgspec.ValidationError as error:
+            MALFORMED_RECORDS.labels(self.name).inc()
+            log.warning("skipping malformed record %s/%s: %s", self.name, key, error)
+            return None

@@ -1,0 +1,5 @@
+import sys
+
+from libs.client.cli import main
+
+sys.exit(main())

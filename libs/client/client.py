@@ -1,0 +1,177 @@
+"""The Python client: apply, get, watch, delete, env. The CLI is a thin layer on top."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from libs.bus import Bus, Versioned
+from libs.contracts import names
+from libs.contracts.api import ApplyReply, ApplyRequest, DeleteReply, DeleteRequest
+from libs.contracts.base import convert, decode
+from libs.contracts.epochs import Epoch, Lease, Ranktable
+from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.fleet import NodeHealth, NodeRecord
+from libs.contracts.jobs import Job, JobEvent
+
+CLIENT_BUCKETS = [
+    names.BUCKET_JOBS,
+    names.BUCKET_NODES,
+    names.BUCKET_HEALTH,
+    names.BUCKET_LEASES,
+    names.BUCKET_EPOCHS,
+    names.BUCKET_RANKTABLES,
+]
+
+
+def parse_job(text: str, source: str = "job") -> Job:
+    """YAML to a Job; every refusal names the field (S3). Status in the file is ignored."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise NodusError(ErrorCode.INVALID, f"{source}: not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise NodusError(ErrorCode.INVALID, f"{source}: expected a Job mapping, got {type(raw).__name__}")
+    raw.pop("status", None)
+    try:
+        return convert(raw, Job)
+    except msgspec.ValidationError as error:
+        field = str(error).rsplit(" - at ", 1)[-1] if " - at " in str(error) else None
+        raise NodusError(ErrorCode.INVALID, f"{source}: {error}", field=field) from None
+
+
+def load_jobs(path: Path) -> list[Job]:
+    """One or more Jobs from a file (YAML documents separated by ---)."""
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise NodusError(ErrorCode.INVALID, f"{path}: {error.strerror}") from None
+    try:
+        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as error:
+        raise NodusError(ErrorCode.INVALID, f"{path}: not valid YAML: {error}") from None
+    return [parse_job(yaml.safe_dump(d), str(path)) for d in documents]
+
+
+class Client:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.jobs = bus.bucket(names.BUCKET_JOBS, Job)
+        self.nodes = bus.bucket(names.BUCKET_NODES, NodeRecord)
+        self.health = bus.bucket(names.BUCKET_HEALTH, NodeHealth)
+        self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
+        self.ranktables = bus.bucket(names.BUCKET_RANKTABLES, Ranktable)
+
+    @classmethod
+    async def connect(cls, url: str | None = None, credentials: str | None = None) -> Client:
+        return cls(await Bus.open(url, name="nodus-client", credentials=credentials, buckets=CLIENT_BUCKETS))
+
+    async def close(self) -> None:
+        await self.bus.close()
+
+    async def apply(self, job: Job, timeout: float = 10.0) -> ApplyReply:
+        return await self.bus.request(names.API_JOBS_APPLY, ApplyRequest(job=job), ApplyReply, timeout)
+
+    async def delete(self, name: str, org: str | None = None) -> DeleteReply:
+        job = await self.get_job(name, org)
+        return await self.bus.request(
+            names.API_JOBS_DELETE,
+            DeleteRequest(org=job.metadata.org, name=job.metadata.name),
+            DeleteReply,
+        )
+
+    async def list_jobs(self) -> list[Job]:
+        jobs = await self.jobs.snapshot()
+        return sorted((item.value for item in jobs.values()), key=lambda j: (j.metadata.org, j.metadata.name))
+
+    async def get_job(self, name: str, org: str | None = None) -> Job:
+        """By name; `org` is needed only when two orgs use the name."""
+        if org:
+            found = await self.jobs.get(f"{org}.{name}")
+            if found is None:
+                raise NodusError(ErrorCode.NOT_FOUND, f"job {name} (org {org}) not found")
+            return found.value
+        matches = await self.jobs.snapshot(f"*.{name}")
+        if not matches:
+            raise NodusError(ErrorCode.NOT_FOUND, f"job {name} not found")
+        if len(matches) > 1:
+            orgs = ", ".join(sorted(m.value.metadata.org for m in matches.values()))
+            raise NodusError(ErrorCode.INVALID, f"job {name} exists in several orgs ({orgs}); pass --org")
+        return next(iter(matches.values())).value
+
+    async def watch_job(self, name: str, org: str | None = None) -> AsyncIterator[Job]:
+        job = await self.get_job(name, org)
+        async for change in self.jobs.watch(job.key):
+            if change.value is None:
+                return
+            yield change.value
+
+    async def epoch(self, job: Job) -> Epoch:
+        if not job.status.epoch:
+            raise NodusError(
+                ErrorCode.NOT_FOUND, f"job {job.metadata.name} has no epoch yet (phase {job.status.phase})"
+            )
+        found = await self.epochs.get(names.epoch_key(job.key, job.status.epoch))
+        if found is None:
+            raise NodusError(ErrorCode.NOT_FOUND, f"epoch {job.status.epoch} of {job.key} not found")
+        return found.value
+
+    async def rank_env(self, name: str, rank: int, org: str | None = None) -> dict[str, str]:
+        job = await self.get_job(name, org)
+        epoch = await self.epoch(job)
+        for member in epoch.members:
+            if member.rank == rank:
+                return member.env
+        raise NodusError(
+            ErrorCode.NOT_FOUND, f"job {name} has ranks 0..{len(epoch.members) - 1}, not {rank}"
+        )
+
+    async def list_nodes(self) -> list[tuple[NodeRecord, NodeHealth | None, str | None]]:
+        """Every registered node, its last heartbeat, and the gang holding it."""
+        records = await self.nodes.snapshot()
+        health = await self.health.snapshot()
+        leases = await self.bus.bucket(names.BUCKET_LEASES, Lease).snapshot()
+        result = []
+        for key in sorted(records):
+            lease = leases.get(key)
+            beat = health.get(key)
+            result.append(
+                (records[key].value, beat.value if beat else None, lease.value.gang if lease else None)
+            )
+        return result
+
+    async def events(self, job: Job, limit: int = 50) -> list[JobEvent]:
+        """The job's recent events from the events stream, oldest first."""
+        subject = names.job_event(job.key, ">")
+        sub = await self.bus.js.subscribe(subject, ordered_consumer=True)
+        events: list[JobEvent] = []
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=0.5)
+                except Exception:  # nothing more within the timeout
+                    break
+                try:
+                    events.append(decode(msg.data, JobEvent))
+                except msgspec.ValidationError:
+                    continue
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return events[-limit:]
+
+    async def global_ranktable(self) -> dict[str, Versioned[Ranktable]]:
+        return await self.ranktables.snapshot()
+
+
+def job_document(job: Job) -> dict[str, Any]:
+    """The job as kubectl-shaped builtins: apiVersion and kind first."""
+    data: dict[str, Any] = msgspec.to_builtins(job)
+    ordered = {"apiVersion": data.pop("apiVersion", "nodus/v1"), "kind": data.pop("kind", "Job")}
+    ordered.update(data)
+    return ordered

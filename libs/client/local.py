@@ -1,0 +1,187 @@
+"""The whole system on this machine (`nodus up`, `nodus demo`, end-to-end tests): a real
+nats-server with JetStream, the services, and one agent per fleet machine, each a process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import libs
+from libs.bus import Bus
+from libs.bus.server import NatsServer, free_port
+from libs.contracts import names
+from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.fleet import Fleet, NodeHealth, NodeRecord
+from services.agent.inventory import load_fleet
+
+REPO = Path(libs.__file__).resolve().parent.parent
+DEFAULT_FLEET = REPO / "examples" / "fleet.yaml"
+SHIM_PATH = REPO / "netshim" / "build" / "libnodus-netshim.so"
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class LocalSystem:
+    fleet_path: Path = DEFAULT_FLEET
+    state_dir: Path = Path(".nodus")
+    nats_port: int = 4222
+    placers: int = 1
+    heartbeat_seconds: float = 2.0
+    placer_config: Path | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+    nats: NatsServer | None = None
+    children: list[Child] = field(default_factory=list)
+    fleet: Fleet | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.nats is not None
+        return self.nats.url
+
+    def machine_dir(self, name: str) -> Path:
+        return self.state_dir / "machines" / name
+
+    def _spawn(self, name: str, args: list[str]) -> Child:
+        logs = self.state_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log_path = logs / f"{name}.log"
+        env = {**os.environ, "NODUS_NATS_URL": self.url, "NODUS_LOG_FORMAT": "json", **self.extra_env}
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "libs.client", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,
+            )
+        child = Child(name, process, log_path)
+        self.children.append(child)
+        return child
+
+    def start_placer(self, index: int) -> Child:
+        args = ["placer", "--replica", f"placer-{index}", "--shim-path", str(SHIM_PATH)]
+        if self.placer_config:
+            args += ["--config", str(self.placer_config)]
+        return self._spawn(f"placer-{index}", args)
+
+    def start_agent(self, machine: str, socks_port: int) -> Child:
+        return self._spawn(
+            f"agent-{machine}",
+            [
+                "agent",
+                "--node", machine,
+                "--fleet", str(self.fleet_path.resolve()),
+                "--state-dir", str(self.machine_dir(machine).resolve()),
+                "--heartbeat-seconds", str(self.heartbeat_seconds),
+                "--socks-listen", f"127.0.0.1:{socks_port}",
+            ],
+        )
+
+    async def start(self, timeout: float = 60.0) -> None:
+        self.fleet = load_fleet(self.fleet_path)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.nats_port and _port_taken(self.nats_port):
+            raise NodusError(
+                ErrorCode.INVALID,
+                f"port {self.nats_port} is taken (another `nodus up`?); pass --nats-port N",
+            )
+        self.nats = NatsServer(self.state_dir / "nats", self.nats_port).start()
+        # The placer creates the journal; agents wait for it rather than racing to create it.
+        bus = await Bus.open(self.url, name="nodus-up", buckets=names.ALL_BUCKETS, streams=True)
+        try:
+            for index in range(self.placers):
+                self.start_placer(index)
+            for machine in self.fleet.machines:
+                self.machine_dir(machine.name).mkdir(parents=True, exist_ok=True)
+                self.start_agent(machine.name, free_port())
+            await self._wait_ready(bus, timeout)
+        except BaseException:
+            await bus.close()
+            self.stop()
+            raise
+        await bus.close()
+
+    async def _wait_ready(self, bus: Bus, timeout: float) -> None:
+        assert self.fleet is not None
+        wanted = {m.name for m in self.fleet.machines}
+        nodes = bus.bucket(names.BUCKET_NODES, NodeRecord)
+        health = bus.bucket(names.BUCKET_HEALTH, NodeHealth)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_children()
+            registered = set(await nodes.snapshot()) & set(await health.snapshot())
+            placers = await _count_services(bus, "nodus-placer")
+            if wanted <= registered and placers >= self.placers:
+                return
+            await asyncio.sleep(0.2)
+        missing = sorted(wanted - set(await nodes.snapshot()))
+        raise NodusError(
+            ErrorCode.TIMEOUT,
+            f"system not ready within {timeout:g}s; agents missing: {missing or 'none'}; "
+            f"logs in {self.state_dir / 'logs'}",
+        )
+
+    def _check_children(self) -> None:
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None:
+                tail = child.log.read_text(errors="replace").strip().splitlines()[-3:]
+                raise NodusError(
+                    ErrorCode.INTERNAL,
+                    f"{child.name} exited with {code}: {' | '.join(tail)} (log {child.log})",
+                )
+
+    def stop(self) -> None:
+        for child in self.children:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for child in self.children:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        self.children.clear()
+        if self.nats:
+            self.nats.stop()
+
+
+async def _count_services(bus: Bus, name: str) -> int:
+    """How many instances answer `$SRV.PING.<name>` (NATS micro discovery)."""
+    inbox = bus.nc.new_inbox()
+    sub = await bus.nc.subscribe(inbox)
+    await bus.nc.publish(f"$SRV.PING.{name}", b"", reply=inbox)
+    count = 0
+    try:
+        while True:
+            await sub.next_msg(timeout=0.2)
+            count += 1
+    except Exception:  # timeout: no more answers
+        pass
+    await sub.unsubscribe()
+    return count
+
+
+def _port_taken(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False

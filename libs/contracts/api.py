@@ -1,0 +1,33 @@
+"""Request and reply bodies of the services' request/reply APIs."""
+
+from __future__ import annotations
+
+from libs.contracts.base import Name, Record
+from libs.contracts.fleet import NodeRecord
+from libs.contracts.jobs import Job
+
+
+class ApplyRequest(Record):
+    job: Job
+
+
+class ApplyReply(Record):
+    job: Job
+    created: bool
+
+
+class DeleteRequest(Record):
+    org: Name
+    name: Name
+
+
+class DeleteReply(Record):
+    deleted: bool
+
+
+class NodeInfoRequest(Record):
+    pass
+
+
+class NodeInfoReply(Record):
+    node: NodeRecord

@@ -1,0 +1,32 @@
+"""The one place every bound is derived from (C3): relay rate, buffers, timeouts."""
+
+from __future__ import annotations
+
+from libs.contracts.epochs import Bounds
+from libs.contracts.jobs import PathClass
+
+RELAY_GANG_BITS_PER_SECOND = 1_000_000_000  # G18: 1 Gbit/s per Relayed gang
+# Buffers hold rate x RTT; this RTT covers a transcontinental relay path.
+ASSUMED_WORST_RTT_SECONDS = 0.25
+PROBE_READINESS_SECONDS = 60.0  # G10.1
+PROBE_SAMPLE_SECONDS = 10.0  # G10.2
+JOIN_KEY_TTL_SECONDS = 15 * 60.0  # G9
+# What the scheduler assumes when comparing placements (G19), until measured numbers exist.
+RELATIVE_TO_DIRECT = {PathClass.PRIVATE: 1.0, PathClass.DIRECT: 1.0, PathClass.RELAYED: 0.25}
+
+
+def derive(path: PathClass, members: int, probe_sample_seconds: float = PROBE_SAMPLE_SECONDS) -> Bounds:
+    """Per-member relay rate is the gang's rate split evenly (G18); buffers are rate x RTT."""
+    if members < 1:
+        raise ValueError("a gang has at least one member")
+    gang_rate = RELAY_GANG_BITS_PER_SECOND if path is PathClass.RELAYED else 0
+    member_rate = gang_rate // members
+    buffer_bytes = int(member_rate / 8 * ASSUMED_WORST_RTT_SECONDS) if member_rate else 0
+    return Bounds(
+        relay_gang_bits_per_second=gang_rate,
+        relay_member_bits_per_second=member_rate,
+        tunnel_buffer_bytes=buffer_bytes,
+        probe_readiness_seconds=PROBE_READINESS_SECONDS,
+        probe_sample_seconds=probe_sample_seconds,
+        join_key_ttl_seconds=JOIN_KEY_TTL_SECONDS,
+    )

@@ -1,0 +1,116 @@
+"""Epochs (one attempt of a gang with a fixed member set), join keys, plan bounds, ranktables."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from libs.contracts.base import Name, Record
+from libs.contracts.jobs import PathClass
+
+
+class Bounds(Record):
+    """Limits derived from one formula (`libs.contracts.bounds.derive`), shown in the plan (C3)."""
+
+    relay_gang_bits_per_second: int
+    relay_member_bits_per_second: int
+    tunnel_buffer_bytes: int
+    probe_readiness_seconds: float
+    probe_sample_seconds: float
+    join_key_ttl_seconds: float
+
+
+class EpochMember(Record):
+    rank: int
+    node: Name
+    address: str  # the advertised address (G7)
+    interface: str  # what NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name
+    devices: list[str]  # backend-derived device names, CUDA0.. or ROCm0.. (C5)
+    env: dict[str, str]  # the rank's whole environment (G8)
+
+
+class Epoch(Record):
+    """Persisted to KV before any command naming it leaves (C2, G9)."""
+
+    gang: str  # org.name
+    epoch: int
+    path: PathClass
+    mesh_id: str  # fresh per epoch: the epoch's network identity
+    verify_key: str  # base64 Ed25519 public key that verifies this epoch's join keys
+    members: list[EpochMember]
+    bounds: Bounds
+    created_time: datetime
+    join_keys_expire_time: datetime
+    placed_by: str
+    fenced: bool = False
+
+
+class JoinClaims(Record):
+    """What a join key says; signed by the epoch's mesh identity, valid once, for 15 minutes."""
+
+    gang: str
+    epoch: int
+    node: Name
+    mesh_id: str
+    nonce: str
+    expires_time: datetime
+
+
+class JoinKeyGrant(Record):
+    """KV record under `<node>.<org>.<name>.<epoch>`: only that node may read it (S1)."""
+
+    token: str
+    verify_key: str
+
+
+class Lease(Record):
+    """A machine held by one gang epoch; created compare-and-set, so a machine has one owner."""
+
+    gang: str
+    epoch: int
+    placer: str
+
+
+class AddressClaim(Record):
+    """An address routed by one running Relayed gang (G7)."""
+
+    gang: str
+    epoch: int
+    node: Name
+
+
+class RanktableEntry(Record):
+    rank: int
+    node: Name
+    address: str
+    eth0: str
+    devices: list[str]
+    status: str
+
+
+class Ranktable(Record):
+    """Per-gang ranktable; the bucket as a whole, watched in order, is the global ranktable (T2)."""
+
+    gang: str
+    epoch: int
+    path: PathClass
+    phase: str
+    entries: list[RanktableEntry]
+    updated_time: datetime
+
+
+class EpochStamp(Record):
+    """Minimal header of any epoch-scoped message, checked by the epoch guard (C2)."""
+
+    gang: str
+    epoch: int
+    kind: Literal["epoch"] = "epoch"
+
+
+class JoinRedemption(Record):
+    """Written compare-and-set when a join key is used; a second use finds it and is refused."""
+
+    gang: str
+    epoch: int
+    node: Name
+    redeemed_time: datetime

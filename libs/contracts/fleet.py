@@ -1,0 +1,96 @@
+"""The fleet file that `nodus up --fleet` reads, and the inventory agents register (T1, C6)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+import msgspec
+
+from libs.contracts.base import Name, Record
+from libs.contracts.jobs import Backend
+
+Offering = Literal["vm", "container"]
+
+
+class MachineAccelerators(Record):
+    count: Annotated[int, msgspec.Meta(ge=0, le=64)]
+    backend: Backend
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+
+
+class Machine(Record):
+    name: Name
+    provider: Name
+    region: Name
+    region_class: Name
+    offering: Offering
+    address: str
+    pool: Name
+    cluster: Name
+    accelerators: MachineAccelerators
+    private_network: Name | None = None
+    private_address: str | None = None
+    # Interface that carries the private network; NCCL/Gloo use it on the Private path.
+    private_interface: Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_.-]{1,15}$")] = "eth1"
+
+
+class Fleet(Record):
+    machines: Annotated[list[Machine], msgspec.Meta(min_length=1)]
+
+
+class AcceleratorDevice(Record):
+    index: int
+    name: str  # backend-derived: CUDA0, ROCm0 (C5)
+    numa_node: int = 0
+    pcie_bus_id: str = ""
+
+
+class Accelerators(Record):
+    count: int
+    backend: Backend
+    model: str
+    collectives: Literal["nccl", "rccl"]
+    visible_devices_var: Literal["CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"]
+    devices: list[AcceleratorDevice] = []
+
+
+class Inventory(Record):
+    """What a node agent registers (T1)."""
+
+    node: Name
+    provider: Name
+    region: Name
+    region_class: Name
+    offering: Offering
+    address: str  # eth0
+    pool: Name
+    cluster: Name
+    accelerators: Accelerators
+    private_network: Name | None = None
+    private_address: str | None = None
+    private_interface: str = "eth1"
+    # Loopback addresses reach between nodes only inside one network namespace (C4).
+    network_namespace: str = ""
+
+
+class NodeRecord(Record):
+    """One node in the cluster view: inventory, version and capabilities (C6)."""
+
+    inventory: Inventory
+    agent_version: str
+    capabilities: list[str]
+    registered_time: datetime
+    boot_id: str = ""
+    # Where the agent serves SOCKS5 to the shim of its ranks (G8 NODUS_NETSHIM_SOCKS).
+    socks_endpoint: str = "127.0.0.1:1080"
+
+
+class NodeHealth(Record):
+    """The heartbeat, kept apart from the inventory so beats stay small."""
+
+    node: Name
+    healthy: bool
+    heartbeat_time: datetime
+    boot_id: str = ""
+    reasons: list[str] = []

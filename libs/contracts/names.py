@@ -1,0 +1,69 @@
+"""Every NATS subject, stream and KV bucket name, in one place.
+
+Subjects name the node and the gang so NATS permissions can scope each agent to its own node
+and its own gang epoch (S1): `nodus.node.<node>.>` and `nodus.gang.<org>.<name>.<epoch>.>`.
+"""
+
+from __future__ import annotations
+
+# Request/reply APIs (nats micro services; `$SRV.PING` etc. answer discovery).
+API_JOBS_APPLY = "nodus.api.jobs.apply"
+API_JOBS_DELETE = "nodus.api.jobs.delete"
+
+# Event stream: job lifecycle events, the audit of what the placer did.
+EVENTS_STREAM = "NODUS_EVENTS"
+EVENTS_SUBJECTS = ["nodus.evt.>"]
+
+# KV buckets.
+BUCKET_JOBS = "nodus-jobs"  # org.name -> Job
+BUCKET_NODES = "nodus-nodes"  # node -> NodeRecord (inventory, version, capabilities)
+BUCKET_HEALTH = "nodus-health"  # node -> NodeHealth (heartbeats)
+BUCKET_LEASES = "nodus-leases"  # node -> Lease (which gang epoch holds the machine)
+BUCKET_ADDRESSES = "nodus-addresses"  # address (dots as '_') -> AddressClaim
+BUCKET_EPOCHS = "nodus-epochs"  # org.name.epoch -> Epoch
+BUCKET_JOINKEYS = "nodus-joinkeys"  # node.org.name.epoch -> JoinKeyGrant; used.nonce -> node
+BUCKET_RANKTABLES = "nodus-ranktables"  # org.name -> Ranktable; the bucket is the global one
+BUCKET_REDEEMED = "nodus-redeemed"  # node.nonce -> JoinRedemption: a join key is used once
+
+ALL_BUCKETS = [
+    BUCKET_JOBS,
+    BUCKET_NODES,
+    BUCKET_HEALTH,
+    BUCKET_LEASES,
+    BUCKET_ADDRESSES,
+    BUCKET_EPOCHS,
+    BUCKET_JOINKEYS,
+    BUCKET_RANKTABLES,
+    BUCKET_REDEEMED,
+]
+
+
+def node_request(node: str, verb: str) -> str:
+    """Requests addressed to one node's agent; nobody answers for a node without an agent."""
+    return f"nodus.node.{node}.req.{verb}"
+
+
+def gang_subject(gang: str, epoch: int, what: str) -> str:
+    """Epoch-scoped subjects; `gang` is `org.name`."""
+    return f"nodus.gang.{gang}.{epoch}.{what}"
+
+
+def job_event(gang: str, kind: str) -> str:
+    return f"nodus.evt.job.{gang}.{kind}"
+
+
+def epoch_key(gang: str, epoch: int) -> str:
+    return f"{gang}.{epoch}"
+
+
+def joinkey_key(node: str, gang: str, epoch: int) -> str:
+    return f"{node}.{gang}.{epoch}"
+
+
+def address_key(address: str) -> str:
+    """KV keys allow [-/_=.a-zA-Z0-9]; IPv6 colons become '_'."""
+    return address.replace(":", "_")
+
+
+def redeemed_key(node: str, nonce: str) -> str:
+    return f"{node}.{nonce}"

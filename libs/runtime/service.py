@@ -1,0 +1,119 @@
+"""A daemon's main: `run_daemon(args, body)` where `body(stop)` returns once `stop` is set."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import uvloop
+from prometheus_client import start_http_server
+
+from libs.contracts.errors import NodusError
+
+Body = Callable[[argparse.Namespace, asyncio.Event], Awaitable[None]]
+
+
+def add_common_flags(parser: argparse.ArgumentParser, metrics_port: int = 0) -> None:
+    """Flags every daemon takes; each falls back to an environment variable."""
+    parser.add_argument(
+        "--nats",
+        default=os.environ.get("NODUS_NATS_URL", "nats://127.0.0.1:4222"),
+        help="bus URL (env NODUS_NATS_URL; default nats://127.0.0.1:4222)",
+    )
+    parser.add_argument(
+        "--credentials",
+        default=os.environ.get("NODUS_NATS_CREDS"),
+        help="NATS credentials file (env NODUS_NATS_CREDS)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("NODUS_METRICS_PORT", metrics_port)),
+        help="serve Prometheus /metrics on this port; 0 disables (env NODUS_METRICS_PORT)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=os.environ.get("NODUS_METRICS_HOST", "127.0.0.1"),
+        help="address for /metrics (env NODUS_METRICS_HOST; default 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("NODUS_LOG_LEVEL", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="(env NODUS_LOG_LEVEL)",
+    )
+    parser.add_argument(
+        "--log-format",
+        default=os.environ.get("NODUS_LOG_FORMAT", "json"),
+        choices=["json", "text"],
+        help="json lines for journald and log shippers, or text (env NODUS_LOG_FORMAT)",
+    )
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "service": self.service,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        extra = getattr(record, "fields", None)
+        if isinstance(extra, dict):
+            line.update(extra)
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def configure_logging(service: str, level: str = "INFO", fmt: str = "json") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter(service))
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {service} %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    logging.getLogger("nats").setLevel(max(logging.WARNING, root.level))
+
+
+def run_daemon(service: str, args: argparse.Namespace, body: Body) -> int:
+    """Run `body` under uvloop until SIGTERM/SIGINT; a NodusError at start is a clear exit 1."""
+    configure_logging(service, args.log_level, args.log_format)
+    log = logging.getLogger(f"nodus.{service}")
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+        log.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await body(args, stop)
+
+    try:
+        uvloop.run(main())
+    except NodusError as error:
+        log.error("cannot start: %s", error)
+        print(f"nodus {service}: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    log.info("stopped")
+    return 0

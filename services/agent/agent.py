@@ -1,0 +1,150 @@
+"""The per-machine agent: registers inventory, version and capabilities (T1, C6), heartbeats,
+answers requests addressed to its node (C1), and joins the epochs its join keys name (G9)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from prometheus_client import Counter, Gauge
+
+from libs.bus import Bus, Endpoint
+from libs.contracts import names
+from libs.contracts.api import NodeInfoReply, NodeInfoRequest
+from libs.contracts.base import Record, now
+from libs.contracts.epochs import Epoch, JoinKeyGrant, JoinRedemption
+from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.fleet import Machine, NodeHealth, NodeRecord
+from libs.mesh import verify_join_key
+from services.agent.inventory import AGENT_VERSION, capabilities_of, inventory_of
+
+log = logging.getLogger("nodus.agent")
+
+HEARTBEATS = Counter("nodus_agent_heartbeats_total", "Heartbeats sent", ["node"])
+JOINS = Counter("nodus_agent_epoch_joins_total", "Join keys handled by outcome", ["node", "outcome"])
+JOINED = Gauge("nodus_agent_joined_epochs", "Epochs this node is a member of", ["node"])
+
+
+class JoinedEpoch(Record):
+    gang: str
+    epoch: int
+    rank: int
+    address: str
+
+
+class JoinedReply(Record):
+    node: str
+    epochs: list[JoinedEpoch]
+
+
+class Agent:
+    def __init__(
+        self, bus: Bus, machine: Machine, heartbeat_seconds: float = 5.0, socks_endpoint: str = ""
+    ) -> None:
+        self.bus = bus
+        self.machine = machine
+        self.node = machine.name
+        self.heartbeat_seconds = heartbeat_seconds
+        self.boot_id = str(uuid.uuid4())  # a simulated machine boots when its agent starts
+        self.socks_endpoint = socks_endpoint or "127.0.0.1:1080"
+        self.nodes = bus.bucket(names.BUCKET_NODES, NodeRecord)
+        self.health = bus.bucket(names.BUCKET_HEALTH, NodeHealth)
+        self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
+        self.joinkeys = bus.bucket(names.BUCKET_JOINKEYS, JoinKeyGrant)
+        self.redeemed = bus.bucket(names.BUCKET_REDEEMED, JoinRedemption)
+        self.joined: dict[str, JoinedEpoch] = {}  # joinkey key -> membership
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def record(self) -> NodeRecord:
+        return NodeRecord(
+            inventory=inventory_of(self.machine),
+            agent_version=AGENT_VERSION,
+            capabilities=capabilities_of(self.machine),
+            registered_time=now(),
+            boot_id=self.boot_id,
+            socks_endpoint=self.socks_endpoint,
+        )
+
+    async def start(self) -> None:
+        await self.bus.serve(
+            "nodus-agent",
+            AGENT_VERSION,
+            f"Agent of machine {self.node}",
+            [
+                Endpoint("info", names.node_request(self.node, "info"), NodeInfoRequest, self.info),
+                Endpoint("epochs", names.node_request(self.node, "epochs"), NodeInfoRequest, self.epochs_joined),
+            ],
+        )
+        await self.nodes.put(self.node, self.record())
+        await self._beat()
+        self._tasks = [
+            asyncio.create_task(self._heartbeats()),
+            asyncio.create_task(self._join_epochs()),
+        ]
+        log.info("agent %s registered (boot %s)", self.node, self.boot_id)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def info(self, _: NodeInfoRequest) -> NodeInfoReply:
+        return NodeInfoReply(node=self.record())
+
+    async def epochs_joined(self, _: NodeInfoRequest) -> JoinedReply:
+        return JoinedReply(node=self.node, epochs=list(self.joined.values()))
+
+    async def _beat(self) -> None:
+        await self.health.put(
+            self.node,
+            NodeHealth(node=self.node, healthy=True, heartbeat_time=now(), boot_id=self.boot_id),
+        )
+        HEARTBEATS.labels(self.node).inc()
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_seconds)
+            try:
+                await self._beat()
+            except Exception as error:  # the bus reconnects; keep beating
+                log.warning("heartbeat failed: %s", error)
+
+    async def _join_epochs(self) -> None:
+        async for change in self.joinkeys.watch(f"{self.node}.>"):
+            if change.value is None:
+                left = self.joined.pop(change.key, None)
+                if left:
+                    log.info("left %s epoch %d", left.gang, left.epoch)
+            else:
+                try:
+                    joined = await self._join(change.value)
+                    self.joined[change.key] = joined
+                    JOINS.labels(self.node, "joined").inc()
+                    log.info("joined %s epoch %d as rank %d", joined.gang, joined.epoch, joined.rank)
+                except NodusError as error:
+                    JOINS.labels(self.node, error.code.value).inc()
+                    log.warning("join refused: %s", error)
+            JOINED.labels(self.node).set(len(self.joined))
+
+    async def _join(self, grant: JoinKeyGrant) -> JoinedEpoch:
+        """Verify the key against the persisted epoch, then use it once."""
+        t = now()
+        claims = verify_join_key(grant.token, grant.verify_key, t)
+        if claims.node != self.node:
+            raise NodusError(ErrorCode.INVALID, f"join key names node {claims.node}, not {self.node}")
+        stored = await self.epochs.get(names.epoch_key(claims.gang, claims.epoch))
+        if stored is None:
+            raise NodusError(ErrorCode.EPOCH_MISMATCH, f"{claims.gang} epoch {claims.epoch} is not persisted")
+        epoch = stored.value
+        if epoch.fenced:
+            raise NodusError(ErrorCode.STALE_EPOCH, f"{claims.gang} epoch {claims.epoch} is fenced")
+        if epoch.verify_key != grant.verify_key or epoch.mesh_id != claims.mesh_id:
+            raise NodusError(ErrorCode.INVALID, "join key was not signed by the epoch's mesh identity")
+        member = next((m for m in epoch.members if m.node == self.node), None)
+        if member is None:
+            raise NodusError(ErrorCode.INVALID, f"{self.node} is not a member of {claims.gang}")
+        redemption = JoinRedemption(gang=claims.gang, epoch=claims.epoch, node=self.node, redeemed_time=t)
+        if await self.redeemed.create(names.redeemed_key(self.node, claims.nonce), redemption) is None:
+            raise NodusError(ErrorCode.CONFLICT, f"join key for {claims.gang} epoch {claims.epoch} was already used")
+        return JoinedEpoch(gang=claims.gang, epoch=claims.epoch, rank=member.rank, address=member.address)

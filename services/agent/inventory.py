@@ -1,0 +1,97 @@
+"""What this machine is (T1): read from the fleet file for machines `nodus up` simulates."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+import yaml
+
+from libs.contracts.base import convert
+from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.fleet import (
+    AcceleratorDevice,
+    Accelerators,
+    Fleet,
+    Inventory,
+    Machine,
+)
+
+AGENT_VERSION = "0.1.0"
+# What this agent implements; the placer refuses plans needing more (C6).
+BASE_CAPABILITIES = ["register", "heartbeat", "join-epoch"]
+
+
+def load_fleet(path: Path) -> Fleet:
+    """Parse a fleet file; every error names the file and the field (S3)."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise NodusError(ErrorCode.INVALID, f"fleet {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise NodusError(ErrorCode.INVALID, f"fleet {path}: not valid YAML: {error}") from None
+    try:
+        fleet = convert(raw, Fleet)
+    except msgspec.ValidationError as error:
+        raise NodusError(ErrorCode.INVALID, f"fleet {path}: {error}") from None
+    seen: set[str] = set()
+    for machine in fleet.machines:
+        if machine.name in seen:
+            raise NodusError(ErrorCode.INVALID, f"fleet {path}: machine {machine.name} listed twice")
+        seen.add(machine.name)
+        if bool(machine.private_network) != bool(machine.private_address):
+            raise NodusError(
+                ErrorCode.INVALID,
+                f"fleet {path}: machine {machine.name}: privateNetwork and privateAddress go together",
+            )
+    return fleet
+
+
+def network_namespace() -> str:
+    """Loopback reaches exactly the processes of one network namespace on one kernel (C4)."""
+    try:
+        machine_id = Path("/etc/machine-id").read_text().strip()
+    except OSError:
+        machine_id = "unknown"
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = "unknown"
+    return f"{machine_id}:{netns}"
+
+
+def inventory_of(machine: Machine) -> Inventory:
+    acc = machine.accelerators
+    prefix = "CUDA" if acc.backend == "cuda" else "ROCm"
+    return Inventory(
+        node=machine.name,
+        provider=machine.provider,
+        region=machine.region,
+        region_class=machine.region_class,
+        offering=machine.offering,
+        address=machine.address,
+        pool=machine.pool,
+        cluster=machine.cluster,
+        accelerators=Accelerators(
+            count=acc.count,
+            backend=acc.backend,
+            model=acc.model,
+            collectives="nccl" if acc.backend == "cuda" else "rccl",
+            visible_devices_var="CUDA_VISIBLE_DEVICES" if acc.backend == "cuda" else "HIP_VISIBLE_DEVICES",
+            devices=[
+                AcceleratorDevice(index=i, name=f"{prefix}{i}", numa_node=i * 2 // max(acc.count, 1))
+                for i in range(acc.count)
+            ],
+        ),
+        private_network=machine.private_network,
+        private_address=machine.private_address,
+        private_interface=machine.private_interface,
+        network_namespace=network_namespace(),
+    )
+
+
+def capabilities_of(machine: Machine) -> list[str]:
+    # A VM can create the nodus0 WireGuard device; a container-only offering cannot (G6).
+    extra = ["wireguard-device"] if machine.offering == "vm" else []
+    return [*BASE_CAPABILITIES, *extra]

@@ -1,0 +1,68 @@
+"""`nodus agent`: one per machine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+from libs.bus import Bus
+from libs.contracts import names
+from libs.contracts.errors import ErrorCode, NodusError
+from libs.runtime import add_common_flags, run_daemon
+from services.agent.agent import Agent
+from services.agent.inventory import load_fleet
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "The per-machine agent: registers this machine's inventory, version and capabilities, "
+        "heartbeats, answers requests addressed to its node, and joins the gang epochs its "
+        "join keys name."
+    )
+    add_common_flags(parser, metrics_port=0)
+    parser.add_argument("--node", required=True, help="this machine's name in the fleet file")
+    parser.add_argument(
+        "--fleet",
+        type=Path,
+        default=Path(os.environ.get("NODUS_FLEET", "examples/fleet.yaml")),
+        help="fleet file that describes this machine (env NODUS_FLEET)",
+    )
+    parser.add_argument("--heartbeat-seconds", type=float, default=5.0)
+    parser.add_argument(
+        "--socks-listen", default="127.0.0.1:1080", help="where this agent serves SOCKS5 to the shim"
+    )
+    parser.add_argument("--state-dir", type=Path, help="this machine's files (STATE_DIR/machines/NAME)")
+
+
+async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    fleet = load_fleet(args.fleet)
+    machine = next((m for m in fleet.machines if m.name == args.node), None)
+    if machine is None:
+        raise NodusError(ErrorCode.NOT_FOUND, f"machine {args.node} is not in {args.fleet}")
+    if args.state_dir:
+        args.state_dir.mkdir(parents=True, exist_ok=True)
+    bus = await Bus.open(
+        args.nats,
+        name=f"nodus-agent-{args.node}",
+        credentials=args.credentials,
+        buckets=[
+            names.BUCKET_NODES,
+            names.BUCKET_HEALTH,
+            names.BUCKET_EPOCHS,
+            names.BUCKET_JOINKEYS,
+            names.BUCKET_REDEEMED,
+        ],
+    )
+    agent = Agent(bus, machine, args.heartbeat_seconds, args.socks_listen)
+    try:
+        await agent.start()
+        await stop.wait()
+    finally:
+        await agent.stop()
+        await bus.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_daemon("agent", args, _body)

@@ -1,0 +1,68 @@
+"""The placer's view of the cluster (T1): nodes, their heartbeats, and which gang holds each."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from libs.contracts.epochs import Lease
+from libs.contracts.fleet import NodeHealth, NodeRecord
+
+
+class ClusterView:
+    """Kept current from KV watches; `free` holds every live, healthy, unleased node."""
+
+    def __init__(self, heartbeat_timeout: float) -> None:
+        self.records: dict[str, NodeRecord] = {}
+        self.health: dict[str, NodeHealth] = {}
+        self.leases: dict[str, Lease] = {}
+        self.free: dict[str, NodeRecord] = {}
+        self.inventory_version = 0  # bumps when the set of machines changes
+        self._timeout = timedelta(seconds=heartbeat_timeout)
+
+    def set_record(self, node: str, record: NodeRecord | None, now: datetime) -> None:
+        if record is None:
+            self.records.pop(node, None)
+        else:
+            self.records[node] = record
+        self.inventory_version += 1
+        self.refresh(node, now)
+
+    def set_health(self, node: str, health: NodeHealth | None, now: datetime) -> None:
+        if health is None:
+            self.health.pop(node, None)
+        else:
+            self.health[node] = health
+        self.refresh(node, now)
+
+    def set_lease(self, node: str, lease: Lease | None, now: datetime) -> None:
+        if lease is None:
+            self.leases.pop(node, None)
+        else:
+            self.leases[node] = lease
+        self.refresh(node, now)
+
+    def alive(self, node: str, now: datetime) -> bool:
+        health = self.health.get(node)
+        return (
+            health is not None
+            and health.healthy
+            and now - health.heartbeat_time <= self._timeout
+        )
+
+    def refresh(self, node: str, now: datetime) -> bool:
+        """Recompute whether `node` is free; True when that changed."""
+        record = self.records.get(node)
+        free = record is not None and node not in self.leases and self.alive(node, now)
+        was = node in self.free
+        if free and record is not None:
+            self.free[node] = record
+        else:
+            self.free.pop(node, None)
+        return free != was
+
+    def sweep(self, now: datetime) -> bool:
+        """Heartbeats age: re-judge every node; True when any became free or stopped being."""
+        changed = False
+        for node in list(self.records):
+            changed |= self.refresh(node, now)
+        return changed

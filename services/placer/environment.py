@@ -1,0 +1,106 @@
+"""Each rank's environment (G8), with backend-derived names (C5)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.fleet import NodeRecord
+from libs.contracts.jobs import Job, PathClass
+from services.placer.planner import Plan
+
+# The path fixes these; every other NCCL_* the user sets wins (G8).
+PATH_FIXED_NCCL = ("NCCL_NET", "NCCL_SOCKET_IFNAME", "NCCL_SOCKET_FAMILY", "NCCL_IB_DISABLE")
+OTHER_BACKEND_VAR = {"cuda": "HIP_VISIBLE_DEVICES", "rocm": "CUDA_VISIBLE_DEVICES"}
+
+
+def _endpoint(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def device_names(record: NodeRecord) -> list[str]:
+    """CUDA0.. or ROCm0..: from the inventory's own device list, checked against its backend."""
+    acc = record.inventory.accelerators
+    prefix = "CUDA" if acc.backend == "cuda" else "ROCm"
+    names = [device.name for device in acc.devices] or [f"{prefix}{i}" for i in range(acc.count)]
+    wrong = [name for name in names if not name.startswith(prefix)]
+    if wrong:
+        raise NodusError(
+            ErrorCode.BACKEND_MISMATCH,
+            f"node {record.inventory.node} reports backend {acc.backend} but devices {wrong} (C5)",
+        )
+    return names
+
+
+def check_backend_names(job: Job, backend: str) -> None:
+    """A spec that names the other backend's variables would find no device at run time (C5)."""
+    other = OTHER_BACKEND_VAR[backend]
+    for source, env in (("spec.env", job.spec.env), ("spec.image.env", job.spec.image.env)):
+        if other in env:
+            raise NodusError(
+                ErrorCode.BACKEND_MISMATCH,
+                f"{source}.{other} is set but the gang's accelerator backend is {backend}",
+                field=f"$.{source}.{other}",
+            )
+
+
+def rank_environments(
+    job: Job,
+    plan: Plan,
+    records: dict[str, NodeRecord],
+    epoch: int,
+    master_port: int,
+    shim_path: str,
+) -> list[dict[str, str]]:
+    """The whole environment of every rank, in rank order."""
+    members = plan.members
+    world = len(members)
+    addresses = [member.address for member in members]
+    master = addresses[0]
+    family = "AF_INET6" if ipaddress.ip_address(master).version == 6 else "AF_INET"
+    envs: list[dict[str, str]] = []
+    for member in members:
+        record = records[member.node]
+        acc = record.inventory.accelerators
+        check_backend_names(job, acc.backend)
+        devices = device_names(record)
+        env: dict[str, str] = dict(job.spec.image.env)
+        env.update(job.spec.env)  # the user's values, NCCL_* included, win over the image's
+        env.update(
+            {
+                "NODUS_GANG": job.key,
+                "NODUS_EPOCH": str(epoch),
+                "NODUS_GANG_TRANSPORT": plan.path.value,
+                "MASTER_ADDR": master,
+                "MASTER_PORT": str(master_port),
+                "PET_RDZV_ENDPOINT": _endpoint(master, master_port),
+                "PET_NNODES": str(world),
+                "PET_NODE_RANK": str(member.rank),
+                "NODE_RANK": str(member.rank),
+                "RANK": str(member.rank),
+                "WORLD_SIZE": str(world),
+                "NODUS_NODE_IPS": ",".join(addresses),
+                "NCCL_SOCKET_IFNAME": member.interface,
+                "GLOO_SOCKET_IFNAME": member.interface,
+                "NCCL_NET": "Socket",
+                "NCCL_SOCKET_FAMILY": family,
+                "NCCL_IB_DISABLE": "1",
+                "NODUS_ACCELERATOR_BACKEND": acc.backend,
+                "NODUS_COLLECTIVES": acc.collectives,
+                "NODUS_DEVICES": ",".join(devices),
+                acc.visible_devices_var: ",".join(str(i) for i in range(len(devices))),
+            }
+        )
+        env.pop("LD_PRELOAD", None)
+        if plan.path is PathClass.RELAYED:
+            image_preload = job.spec.image.env.get("LD_PRELOAD", "")
+            # The shim first, then the image's own preloads (G8).
+            env["LD_PRELOAD"] = ":".join(p for p in (shim_path, image_preload) if p)
+            env["NODUS_NETSHIM_PEERS"] = ",".join(a for a in addresses if a != member.address)
+            env["NODUS_NETSHIM_SOCKS"] = record.socks_endpoint
+        else:
+            preload = job.spec.env.get("LD_PRELOAD") or job.spec.image.env.get("LD_PRELOAD")
+            if preload:
+                env["LD_PRELOAD"] = preload
+        envs.append(env)
+    return envs

@@ -1,0 +1,517 @@
+"""The placer's asyncio shell: the cluster view from KV watches, the apply and delete API,
+and the placement loop that commits plans with compare-and-set writes (R14-style replicas)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from datetime import datetime
+
+import msgspec
+from prometheus_client import Counter, Gauge, Histogram
+
+from libs.bus import Bus, Endpoint, Versioned
+from libs.contracts import names
+from libs.contracts.api import ApplyReply, ApplyRequest, DeleteReply, DeleteRequest
+from libs.contracts.base import now
+from libs.contracts.bounds import RELATIVE_TO_DIRECT, derive
+from libs.contracts.epochs import (
+    AddressClaim,
+    Epoch,
+    EpochMember,
+    JoinKeyGrant,
+    Lease,
+    Ranktable,
+    RanktableEntry,
+)
+from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.fleet import NodeHealth, NodeRecord
+from libs.contracts.jobs import (
+    ConditionType,
+    Estimate,
+    GangMember,
+    GangStatus,
+    Job,
+    JobEvent,
+    JobStatus,
+    PathClass,
+    Phase,
+    with_condition,
+)
+from libs.mesh import MeshIdentity
+from services.placer import admission
+from services.placer.cluster import ClusterView
+from services.placer.config import PlacerConfig
+from services.placer.environment import device_names, rank_environments
+from services.placer.planner import Exclusions, Plan, Planner, check_plan
+
+log = logging.getLogger("nodus.placer")
+VERSION = "0.1.0"
+
+DECISIONS = Counter("nodus_placer_decisions_total", "Placement outcomes", ["outcome"])
+ADMISSIONS = Counter("nodus_placer_admissions_total", "Apply requests by outcome", ["outcome"])
+CONFLICTS = Counter("nodus_placer_conflicts_total", "Compare-and-set races lost", ["what"])
+PLACE_SECONDS = Histogram(
+    "nodus_placer_place_seconds",
+    "Time to commit one placement",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+FREE_NODES = Gauge("nodus_placer_free_nodes", "Live, healthy machines no gang holds")
+WAITING_JOBS = Gauge("nodus_placer_waiting_jobs", "Admitted jobs waiting for capacity")
+
+RELAYED_WARNING = (
+    "Relayed is assumed 4x slower than Direct until its qualification benchmark publishes "
+    "measured numbers; it suits small models and jobs that communicate little"
+)
+
+
+class _Retry(Exception):
+    """A race lost mid-commit: plan again with a fresher view."""
+
+
+class Placer:
+    def __init__(self, bus: Bus, config: PlacerConfig, replica: str | None = None) -> None:
+        self.bus = bus
+        self.config = config
+        self.planner = Planner(config)
+        self.replica = replica or f"placer-{secrets.token_hex(3)}"
+        self.view = ClusterView(config.heartbeat_timeout_seconds)
+        self.jobs = bus.bucket(names.BUCKET_JOBS, Job)
+        self.nodes = bus.bucket(names.BUCKET_NODES, NodeRecord)
+        self.health = bus.bucket(names.BUCKET_HEALTH, NodeHealth)
+        self.leases = bus.bucket(names.BUCKET_LEASES, Lease)
+        self.addresses = bus.bucket(names.BUCKET_ADDRESSES, AddressClaim)
+        self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
+        self.joinkeys = bus.bucket(names.BUCKET_JOINKEYS, JoinKeyGrant)
+        self.ranktables = bus.bucket(names.BUCKET_RANKTABLES, Ranktable)
+        self._queue: asyncio.Queue[str] = asyncio.Queue()
+        self._queued: set[str] = set()
+        self._waiting: set[str] = set()  # admitted, no capacity yet
+        self._tasks: list[asyncio.Task[None]] = []
+        self._feasible_cache: dict[bytes, NodusError | None] = {}
+        self._feasible_version = -1
+
+    # -- start and stop ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        t = now()
+        for key, item in (await self.nodes.snapshot()).items():
+            self.view.set_record(key, item.value, t)
+        for key, health in (await self.health.snapshot()).items():
+            self.view.set_health(key, health.value, t)
+        for key, lease in (await self.leases.snapshot()).items():
+            self.view.set_lease(key, lease.value, t)
+        self._tasks = [
+            asyncio.create_task(self._watch_nodes()),
+            asyncio.create_task(self._watch_health()),
+            asyncio.create_task(self._watch_leases()),
+            asyncio.create_task(self._watch_jobs()),
+            asyncio.create_task(self._worker()),
+            asyncio.create_task(self._sweeper()),
+        ]
+        await self.bus.serve(
+            "nodus-placer",
+            VERSION,
+            "Admits and places distributed jobs",
+            [
+                Endpoint("apply", names.API_JOBS_APPLY, ApplyRequest, self.apply),
+                Endpoint("delete", names.API_JOBS_DELETE, DeleteRequest, self.delete),
+            ],
+            queue_group="nodus-placer",
+        )
+        log.info("placer %s ready with %d machines", self.replica, len(self.view.records))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- the API -------------------------------------------------------------------------------
+
+    async def apply(self, request: ApplyRequest) -> ApplyReply:
+        submitted = request.job
+        try:
+            admission.check_static(submitted, self.planner)
+            self._check_feasible(submitted)
+        except NodusError:
+            ADMISSIONS.labels("refused").inc()
+            raise
+        spec_only = Job(metadata=submitted.metadata, spec=submitted.spec)
+        existing = await self.jobs.get(spec_only.key)
+        if existing is not None:
+            if msgspec.json.encode(existing.value.spec) != msgspec.json.encode(spec_only.spec):
+                raise NodusError(
+                    ErrorCode.IMMUTABLE,
+                    f"job {spec_only.key} exists with another spec; a gang's spec cannot change "
+                    "while it lives: delete it first",
+                )
+            ADMISSIONS.labels("unchanged").inc()
+            return ApplyReply(job=existing.value, created=False)
+        t = now()
+        status = with_condition(
+            JobStatus(created_time=t, placed_by=self.replica),
+            ConditionType.ADMITTED,
+            "True",
+            "Admitted",
+            "admitted; waiting for placement",
+            t,
+        )
+        job = msgspec.structs.replace(spec_only, status=status)
+        if await self.jobs.create(job.key, job) is None:
+            raise NodusError(ErrorCode.ALREADY_EXISTS, f"job {job.key} was created concurrently")
+        ADMISSIONS.labels("admitted").inc()
+        await self._event(job, "admitted", 0, "admitted")
+        self._enqueue(job.key)
+        return ApplyReply(job=job, created=True)
+
+    def _check_feasible(self, job: Job) -> None:
+        """Could the job run on the registered fleet if it were idle? Cached per spec shape."""
+        if self._feasible_version != self.view.inventory_version:
+            self._feasible_cache.clear()
+            self._feasible_version = self.view.inventory_version
+        shape = msgspec.json.encode(
+            (job.spec.accelerators, job.spec.distributed, job.metadata.org)
+        )
+        if shape not in self._feasible_cache:
+            try:
+                admission.check_feasible(job, self.planner, self.view.records.values())
+                self._feasible_cache[shape] = None
+            except NodusError as error:
+                self._feasible_cache[shape] = error
+        error = self._feasible_cache[shape]
+        if error is not None:
+            raise error
+
+    async def delete(self, request: DeleteRequest) -> DeleteReply:
+        key = f"{request.org}.{request.name}"
+        current = await self.jobs.get(key)
+        if current is None:
+            raise NodusError(ErrorCode.NOT_FOUND, f"job {request.name} (org {request.org}) does not exist")
+        job = current.value
+        # Fence the epoch first (G9), then free what it held, then forget the job.
+        if job.status.epoch:
+            await self._teardown(job.key, job.status.epoch)
+        await self.jobs.delete(key)
+        self._waiting.discard(key)
+        await self._event(job, "deleted", job.status.epoch, "deleted by request")
+        return DeleteReply(deleted=True)
+
+    # -- watches -------------------------------------------------------------------------------
+
+    async def _watch_nodes(self) -> None:
+        async for change in self.nodes.watch():
+            self.view.set_record(change.key, change.value, now())
+            self._capacity_changed()
+
+    async def _watch_health(self) -> None:
+        async for change in self.health.watch():
+            was = change.key in self.view.free
+            self.view.set_health(change.key, change.value, now())
+            if (change.key in self.view.free) != was:
+                self._capacity_changed()
+
+    async def _watch_leases(self) -> None:
+        async for change in self.leases.watch():
+            self.view.set_lease(change.key, change.value, now())
+            if change.value is None:
+                self._capacity_changed()
+
+    async def _watch_jobs(self) -> None:
+        """Another replica's Pending job is taken over once it has waited `takeover_seconds`."""
+        async for change in self.jobs.watch():
+            job = change.value
+            if job is None or job.status.phase is not Phase.PENDING:
+                continue
+            if job.status.placed_by == self.replica:
+                continue
+            asyncio.get_running_loop().call_later(
+                self.config.takeover_seconds, self._enqueue, change.key
+            )
+
+    async def _sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if self.view.sweep(now()):
+                self._capacity_changed()
+            FREE_NODES.set(len(self.view.free))
+            WAITING_JOBS.set(len(self._waiting))
+
+    def _capacity_changed(self) -> None:
+        for key in list(self._waiting):
+            self._enqueue(key)
+
+    def _enqueue(self, key: str) -> None:
+        if key not in self._queued:
+            self._queued.add(key)
+            self._queue.put_nowait(key)
+
+    # -- placement -----------------------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self._queue.get()
+            self._queued.discard(key)
+            started = time.perf_counter()
+            try:
+                await self._place(key)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("placing %s failed; will retry on the next capacity change", key)
+                self._waiting.add(key)
+            PLACE_SECONDS.observe(time.perf_counter() - started)
+
+    async def _place(self, key: str) -> None:
+        exclusions = Exclusions()
+        for _attempt in range(self.config.max_attempts):
+            current = await self.jobs.get(key)
+            if current is None or current.value.status.phase is not Phase.PENDING:
+                self._waiting.discard(key)
+                return
+            mesh = MeshIdentity()
+            plan, shortfalls = self.planner.plan(
+                current.value, self.view.free.values(), exclusions, mesh.mesh_id
+            )
+            if plan is None:
+                self._waiting.add(key)
+                DECISIONS.labels("unschedulable").inc()
+                message = "; ".join(s.message for s in shortfalls)
+                await self._set_gang_ready(current, "False", "Unschedulable", message)
+                return
+            try:
+                await self._commit(current, plan, mesh, exclusions)
+                self._waiting.discard(key)
+                DECISIONS.labels("placed").inc()
+                return
+            except _Retry:
+                continue
+        self._waiting.add(key)
+        DECISIONS.labels("gave_up").inc()
+
+    async def _commit(
+        self, current: Versioned[Job], plan: Plan, mesh: MeshIdentity, exclusions: Exclusions
+    ) -> None:
+        job = current.value
+        gang = job.key
+        epoch = job.status.epoch + 1
+        records = {node: self.view.records[node] for node in plan.nodes}
+        problems = check_plan(plan, records, job)
+        if problems:  # the planner's own invariants: never commit a plan that breaks them
+            raise NodusError(ErrorCode.INTERNAL, f"plan for {gang} breaks {problems}")
+        t = now()
+        lease = Lease(gang=gang, epoch=epoch, placer=self.replica)
+        held = await self._acquire_leases(plan.nodes, lease, t)
+        claimed: list[tuple[str, int]] = []
+        try:
+            if plan.path is PathClass.RELAYED:
+                await self._claim_addresses(current, plan, epoch, exclusions, claimed)
+            envs = rank_environments(
+                job, plan, records, epoch, self.config.master_port, self.config.shim_path
+            )
+            bounds = derive(plan.path, len(plan.members))
+            expires = MeshIdentity.expiry(t, bounds.join_key_ttl_seconds)
+            record = Epoch(
+                gang=gang,
+                epoch=epoch,
+                path=plan.path,
+                mesh_id=mesh.mesh_id,
+                verify_key=mesh.verify_key,
+                members=[
+                    EpochMember(
+                        rank=m.rank,
+                        node=m.node,
+                        address=m.address,
+                        interface=m.interface,
+                        devices=device_names(records[m.node]),
+                        env=envs[m.rank],
+                    )
+                    for m in plan.members
+                ],
+                bounds=bounds,
+                created_time=t,
+                join_keys_expire_time=expires,
+                placed_by=self.replica,
+            )
+            # C2/G9: the epoch is persisted before anything that names it leaves.
+            if await self.epochs.create(names.epoch_key(gang, epoch), record) is None:
+                CONFLICTS.labels("epoch").inc()
+                raise _Retry
+        except BaseException:
+            await self._release(plan.nodes, held, claimed)
+            raise
+        await asyncio.gather(
+            *(
+                self.joinkeys.put(
+                    names.joinkey_key(m.node, gang, epoch),
+                    JoinKeyGrant(
+                        token=mesh.mint(gang, epoch, m.node, expires), verify_key=mesh.verify_key
+                    ),
+                )
+                for m in plan.members
+            )
+        )
+        status = self._placed_status(job.status, plan, epoch, t)
+        placed = msgspec.structs.replace(job, status=status)
+        if await self.jobs.update(gang, placed, current.revision) is None:
+            # Deleted or changed under us: undo this epoch entirely.
+            CONFLICTS.labels("job").inc()
+            await self._teardown(gang, epoch)
+            raise _Retry
+        await self.ranktables.put(gang, self._ranktable(placed, record))
+        await self._event(placed, "placed", epoch, f"placed on {', '.join(plan.nodes)} ({plan.path.value})")
+
+    async def _acquire_leases(self, nodes: list[str], lease: Lease, t: datetime) -> dict[str, int]:
+        results = await asyncio.gather(*(self.leases.create(node, lease) for node in nodes))
+        held = {node: rev for node, rev in zip(nodes, results, strict=True) if rev is not None}
+        for node in nodes:
+            self.view.set_lease(node, lease, t)  # taken, by us or by someone else
+        if len(held) != len(nodes):
+            CONFLICTS.labels("lease").inc()
+            lost = [node for node in nodes if node not in held]
+            for node in held:  # roll back ours; the others stay marked until their watch says
+                await self.leases.delete(node, held[node])
+                self.view.set_lease(node, None, t)
+            log.debug("lost leases on %s; planning again", lost)
+            raise _Retry
+        return held
+
+    async def _claim_addresses(
+        self,
+        current: Versioned[Job],
+        plan: Plan,
+        epoch: int,
+        exclusions: Exclusions,
+        claimed: list[tuple[str, int]],
+    ) -> None:
+        """G7: no two running Relayed gangs route one address; a collision re-places."""
+        gang = current.value.key
+        for member in plan.members:
+            key = names.address_key(member.address)
+            claim = AddressClaim(gang=gang, epoch=epoch, node=member.node)
+            revision = await self.addresses.create(key, claim)
+            if revision is not None:
+                claimed.append((key, revision))
+                continue
+            holder = await self.addresses.get(key)
+            if holder is not None and holder.value.gang == gang and holder.value.epoch < epoch:
+                # Our own older epoch's claim: take it over.
+                revision = await self.addresses.update(key, claim, holder.revision)
+                if revision is not None:
+                    claimed.append((key, revision))
+                    continue
+            other = holder.value.gang if holder else "another gang"
+            exclusions.addresses.add(member.address)
+            CONFLICTS.labels("address").inc()
+            await self._set_gang_ready(
+                current,
+                "False",
+                "IPCollision",
+                f"address {member.address} of {member.node} is routed by running Relayed gang "
+                f"{other}; placing the members again",
+            )
+            raise _Retry
+
+    async def _release(
+        self, nodes: list[str], held: dict[str, int], claimed: list[tuple[str, int]]
+    ) -> None:
+        t = now()
+        for key, revision in claimed:
+            await self.addresses.delete(key, revision)
+        for node in nodes:
+            if node in held:
+                await self.leases.delete(node, held[node])
+                self.view.set_lease(node, None, t)
+
+    async def _teardown(self, gang: str, epoch: int) -> None:
+        """Fence an epoch (G9), then free its join keys, addresses and machines; idempotent."""
+        key = names.epoch_key(gang, epoch)
+
+        def fence(record: Epoch | None) -> Epoch | None:
+            if record is None or record.fenced:
+                return None
+            return msgspec.structs.replace(record, fenced=True)
+
+        await self.epochs.mutate(key, fence)
+        record = await self.epochs.get(key)
+        if record is None:
+            return
+        for member in record.value.members:
+            await self.joinkeys.delete(names.joinkey_key(member.node, gang, epoch))
+            if record.value.path is PathClass.RELAYED:
+                address_key = names.address_key(member.address)
+                claim = await self.addresses.get(address_key)
+                if claim and claim.value.gang == gang and claim.value.epoch == epoch:
+                    await self.addresses.delete(address_key, claim.revision)
+            lease = await self.leases.get(member.node)
+            if lease and lease.value.gang == gang and lease.value.epoch == epoch:
+                await self.leases.delete(member.node, lease.revision)
+        ranktable = await self.ranktables.get(gang)
+        if ranktable and ranktable.value.epoch == epoch:
+            await self.ranktables.delete(gang, ranktable.revision)
+
+    # -- records -------------------------------------------------------------------------------
+
+    def _placed_status(self, status: JobStatus, plan: Plan, epoch: int, t: datetime) -> JobStatus:
+        factor = RELATIVE_TO_DIRECT[plan.path]
+        gang = GangStatus(
+            transport=plan.path,
+            members=[GangMember(rank=m.rank, node=m.node, address=m.address) for m in plan.members],
+            estimate=Estimate(
+                relative_to_direct=factor,
+                warning=RELAYED_WARNING if plan.path is PathClass.RELAYED else None,
+            ),
+        )
+        status = msgspec.structs.replace(
+            status, phase=Phase.PLACED, epoch=epoch, gang=gang, placed_time=t, placed_by=self.replica
+        )
+        return with_condition(
+            status,
+            ConditionType.GANG_READY,
+            "True",
+            "Placed",
+            f"epoch {epoch} placed on the {plan.path.value} path",
+            t,
+        )
+
+    def _ranktable(self, job: Job, epoch: Epoch) -> Ranktable:
+        return Ranktable(
+            gang=job.key,
+            epoch=epoch.epoch,
+            path=epoch.path,
+            phase=job.status.phase.value,
+            entries=[
+                RanktableEntry(
+                    rank=m.rank,
+                    node=m.node,
+                    address=m.address,
+                    eth0=self.view.records[m.node].inventory.address,
+                    devices=m.devices,
+                    status=job.status.phase.value,
+                )
+                for m in epoch.members
+            ],
+            updated_time=epoch.created_time,
+        )
+
+    async def _set_gang_ready(
+        self, current: Versioned[Job], state: str, reason: str, message: str
+    ) -> None:
+        """Record why the gang is not ready; skipped when it already says so."""
+        existing = current.value.condition(ConditionType.GANG_READY)
+        if existing and (existing.status, existing.reason, existing.message) == (state, reason, message):
+            return
+        status = with_condition(
+            current.value.status, ConditionType.GANG_READY, state, reason, message, now()  # type: ignore[arg-type]
+        )
+        job = msgspec.structs.replace(current.value, status=status)
+        await self.jobs.update(current.key, job, current.revision)
+        await self._event(job, reason, job.status.epoch, message)
+
+    async def _event(self, job: Job, kind: str, epoch: int, message: str) -> None:
+        event = JobEvent(gang=job.key, kind=kind, epoch=epoch, message=message, time=now())
+        try:
+            await self.bus.publish(names.job_event(job.key, kind.lower()), event)
+        except Exception as error:  # the KV record is the truth; a lost event is logged
+            log.warning("event %s for %s not published: %s", kind, job.key, error)
