@@ -30,6 +30,7 @@ R = TypeVar("R", bound=msgspec.Struct)
 Req = TypeVar("Req", bound=msgspec.Struct)
 Rep = TypeVar("Rep", bound=msgspec.Struct)
 
+NO_RESPONDER_RETRIES = (0.02, 0.05, 0.1, None)
 ERROR_HEADER = "Nats-Service-Error"
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 
@@ -114,8 +115,18 @@ class Bus:
         self, subject: str, body: msgspec.Struct, reply: type[R], timeout: float = 5.0
     ) -> R:
         """A request whose every failure is a NodusError with a stable code (C1)."""
+        data = encode(body)
         try:
-            msg = await self.nc.request(subject, encode(body), timeout=timeout)
+            for pause in NO_RESPONDER_RETRIES:
+                try:
+                    msg = await self.nc.request(subject, data, timeout=timeout)
+                    break
+                except nats.errors.NoRespondersError:
+                    # A subscription made an instant ago on another connection can be missed
+                    # by the server for a moment; a real absence outlasts these short pauses.
+                    if pause is None:
+                        raise
+                    await asyncio.sleep(pause)
         except nats.errors.NoRespondersError:
             raise NodusError(
                 ErrorCode.NO_RESPONDERS,
@@ -158,14 +169,17 @@ class Bus:
             await service.add_endpoint(
                 name=endpoint.name, subject=endpoint.subject, handler=endpoint.handle
             )
+        # The server must know the subscriptions before anyone is told this service is up.
+        await self.nc.flush()
         self._services.append(service)
         return service
 
     async def close(self) -> None:
         for service in self._services:
             try:
-                await service.stop()
-            except Exception as error:  # stopping is best effort on the way out
+                # nats-py's drain of a micro service can wait forever on its queue; bound it.
+                await asyncio.wait_for(service.stop(), timeout=2.0)
+            except (Exception, TimeoutError) as error:  # best effort on the way out
                 log.debug("service stop: %s", error)
         self._services.clear()
         if not self.nc.is_closed:

@@ -32,7 +32,8 @@ async def connect(
     url = url or default_url()
 
     async def on_error(error: Exception) -> None:
-        log.warning("bus error: %s", error)
+        if client:  # before the first connect, the caller gets one clear error instead
+            log.warning("bus error: %s", error)
 
     client: list[Client] = []
 
@@ -48,7 +49,8 @@ async def connect(
         "servers": [url],
         "name": name,
         "connect_timeout": connect_timeout,
-        "max_reconnect_attempts": -1,
+        # Bounded while connecting the first time; unbounded once up (set below).
+        "max_reconnect_attempts": initial_attempts,
         "reconnect_time_wait": 0.5,
         "allow_reconnect": True,
         "error_cb": on_error,
@@ -57,20 +59,18 @@ async def connect(
     }
     if credentials:
         options["user_credentials"] = credentials
-    last_error: Exception | None = None
-    for _ in range(initial_attempts):
-        try:
-            # nats-py retries inside connect only after a first success; bound the first try.
-            nc = await nats.connect(**options)
-            client.append(nc)
-            return nc
-        except Exception as error:  # nats raises several unrelated types here
-            last_error = error
-    raise NodusError(
-        ErrorCode.JOURNAL_UNAVAILABLE,
-        f"cannot reach the bus at {url}: {last_error!s} "
-        "(start it with `nodus up`, or pass --nats / set NODUS_NATS_URL)",
-    )
+    try:
+        nc = await nats.connect(**options)
+    except Exception as error:  # nats raises several unrelated types here
+        raise NodusError(
+            ErrorCode.JOURNAL_UNAVAILABLE,
+            f"cannot reach the bus at {url}: {error!s} "
+            "(start it with `nodus up`, or pass --nats / set NODUS_NATS_URL)",
+        ) from None
+    client.append(nc)
+    # nats-py reads this option on every reconnect: once up, never give up on the bus.
+    nc.options["max_reconnect_attempts"] = -1
+    return nc
 
 
 def jetstream(nc: Client, timeout: float = 5.0) -> JetStreamContext:

@@ -129,12 +129,17 @@ class Bucket(Generic[T]):
             await watcher.stop()
         return result
 
-    async def watch(self, keys: str = ">", history: bool = False) -> AsyncIterator[Change[T]]:
-        """Current values, then every change in order; a delete arrives with value None."""
+    async def watch(
+        self, keys: str = ">", history: bool = False, caught_up: asyncio.Event | None = None
+    ) -> AsyncIterator[Change[T]]:
+        """Current values, then every change in order; a delete arrives with value None.
+        `caught_up` is set once the current values have all been delivered."""
         watcher = await self._kv.watch(keys, include_history=history)
         try:
             async for entry in watcher:
-                if entry is None:
+                if entry is None:  # nats-py's marker: the initial values are all delivered
+                    if caught_up is not None:
+                        caught_up.set()
                     continue
                 if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
                     yield Change(entry.key, None, entry.revision or 0)
@@ -142,6 +147,8 @@ class Bucket(Generic[T]):
                 value = self._decode_or_skip(entry.key, entry.value)
                 if value is not None:
                     yield Change(entry.key, value, entry.revision or 0)
+                if caught_up is not None and not caught_up.is_set() and entry.delta == 0:
+                    caught_up.set()
         finally:
             await asyncio.shield(watcher.stop())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,20 +29,27 @@ CLIENT_BUCKETS = [
 ]
 
 
+def error_field(error: msgspec.ValidationError) -> str | None:
+    """The JSON path msgspec names at the end of its message, without the backticks."""
+    found = re.findall(r"`([^`]*)`", str(error).rsplit(" - at ", 1)[-1]) if " - at " in str(error) else []
+    return found[-1] if found else None
+
+
 def parse_job(text: str, source: str = "job") -> Job:
     """YAML to a Job; every refusal names the field (S3). Status in the file is ignored."""
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise NodusError(ErrorCode.INVALID, f"{source}: not valid YAML: {error}") from None
+    except RecursionError:
+        raise NodusError(ErrorCode.INVALID, f"{source}: YAML nested too deeply") from None
     if not isinstance(raw, dict):
         raise NodusError(ErrorCode.INVALID, f"{source}: expected a Job mapping, got {type(raw).__name__}")
     raw.pop("status", None)
     try:
         return convert(raw, Job)
     except msgspec.ValidationError as error:
-        field = str(error).rsplit(" - at ", 1)[-1] if " - at " in str(error) else None
-        raise NodusError(ErrorCode.INVALID, f"{source}: {error}", field=field) from None
+        raise NodusError(ErrorCode.INVALID, f"{source}: {error}", field=error_field(error)) from None
 
 
 def load_jobs(path: Path) -> list[Job]:
@@ -54,6 +62,8 @@ def load_jobs(path: Path) -> list[Job]:
         documents = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as error:
         raise NodusError(ErrorCode.INVALID, f"{path}: not valid YAML: {error}") from None
+    except RecursionError:
+        raise NodusError(ErrorCode.INVALID, f"{path}: YAML nested too deeply") from None
     return [parse_job(yaml.safe_dump(d), str(path)) for d in documents]
 
 

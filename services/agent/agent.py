@@ -11,6 +11,7 @@ from prometheus_client import Counter, Gauge
 
 from libs.bus import Bus, Endpoint
 from libs.contracts import names
+from libs.runtime.tasks import cancel_and_wait
 from libs.contracts.api import NodeInfoReply, NodeInfoRequest
 from libs.contracts.base import Record, now
 from libs.contracts.epochs import Epoch, JoinKeyGrant, JoinRedemption
@@ -85,9 +86,7 @@ class Agent:
         log.info("agent %s registered (boot %s)", self.node, self.boot_id)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
 
     async def info(self, _: NodeInfoRequest) -> NodeInfoReply:
         return NodeInfoReply(node=self.record())

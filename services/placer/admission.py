@@ -9,7 +9,7 @@ from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeRecord
 from libs.contracts.jobs import Job
 from services.placer.environment import check_backend_names
-from services.placer.planner import Planner, Shortfall
+from services.placer.planner import Candidates, Planner, Shortfall
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -49,9 +49,9 @@ def check_static(job: Job, planner: Planner) -> None:
         check_backend_names(job, job.spec.accelerators.backend)
 
 
-def check_feasible(job: Job, planner: Planner, fleet: Iterable[NodeRecord]) -> None:
+def check_feasible(job: Job, planner: Planner, fleet: Iterable[NodeRecord] | Candidates) -> None:
     """Could this job be placed on the registered fleet if it were idle? If not, refuse now."""
-    plan, shortfalls = planner.plan(job, fleet)
+    plan, shortfalls = planner.plan(job, fleet if isinstance(fleet, Candidates) else list(fleet))
     if plan is None:
         raise refusal(shortfalls)
 

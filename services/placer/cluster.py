@@ -6,24 +6,29 @@ from datetime import datetime, timedelta
 
 from libs.contracts.epochs import Lease
 from libs.contracts.fleet import NodeHealth, NodeRecord
+from services.placer.planner import Candidates
 
 
 class ClusterView:
-    """Kept current from KV watches; `free` holds every live, healthy, unleased node."""
+    """Kept current from KV watches; `free` indexes every live, healthy, unleased node and
+    `registered` every node, for admission's "could it ever run here" question."""
 
     def __init__(self, heartbeat_timeout: float) -> None:
         self.records: dict[str, NodeRecord] = {}
         self.health: dict[str, NodeHealth] = {}
         self.leases: dict[str, Lease] = {}
-        self.free: dict[str, NodeRecord] = {}
+        self.free = Candidates()
+        self.registered = Candidates()
         self.inventory_version = 0  # bumps when the set of machines changes
         self._timeout = timedelta(seconds=heartbeat_timeout)
 
     def set_record(self, node: str, record: NodeRecord | None, now: datetime) -> None:
         if record is None:
             self.records.pop(node, None)
+            self.registered.remove(node)
         else:
             self.records[node] = record
+            self.registered.add(record)
         self.inventory_version += 1
         self.refresh(node, now)
 
@@ -55,9 +60,12 @@ class ClusterView:
         free = record is not None and node not in self.leases and self.alive(node, now)
         was = node in self.free
         if free and record is not None:
-            self.free[node] = record
-        else:
-            self.free.pop(node, None)
+            if not was or self.free.by_shape.get(
+                (record.inventory.accelerators.backend, record.inventory.accelerators.model), {}
+            ).get(node) is not record:
+                self.free.add(record)
+        elif was:
+            self.free.remove(node)
         return free != was
 
     def sweep(self, now: datetime) -> bool:

@@ -9,7 +9,7 @@ path needs (C6), and one accelerator backend per gang (C5).
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from libs.contracts.bounds import RELATIVE_TO_DIRECT
@@ -57,24 +57,39 @@ class Exclusions:
     addresses: set[str] = field(default_factory=set)
 
 
-def address_problem(address: str) -> str | None:
-    """C4: an advertised address must be a real unicast address."""
+def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address, with IPv4-mapped IPv6 (::ffff:a.b.c.d) judged as the IPv4 it carries."""
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def address_problem(address: str) -> str | None:
+    """C4: an advertised address must be a real unicast address."""
+    ip = _ip(address)
+    if ip is None:
         return f"{address!r} is not an IP address"
     if ip.is_unspecified:
         return f"{address} is unspecified"
     if ip.is_multicast:
         return f"{address} is multicast"
+    if isinstance(ip, ipaddress.IPv4Address) and ip == ipaddress.IPv4Address("255.255.255.255"):
+        return f"{address} is broadcast"
     return None
 
 
 def is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
+    ip = _ip(address)
+    return ip is not None and ip.is_loopback
+
+
+def ip_family(address: str) -> int:
+    ip = _ip(address)
+    return ip.version if ip is not None else 0
 
 
 def mesh_addresses(mesh_id: str, members: int) -> list[str]:
@@ -85,20 +100,117 @@ def mesh_addresses(mesh_id: str, members: int) -> list[str]:
     return [str(ipaddress.IPv4Address(base + rank + 1)) for rank in range(members)]
 
 
-def _matches(pattern: str, inv: Inventory) -> bool:
+def _matches(pattern: str, provider: str, offering: str) -> bool:
     if "/" in pattern:
-        provider, offering = pattern.split("/", 1)
+        want_provider, want_offering = pattern.split("/", 1)
     else:
-        provider, offering = "*", pattern
-    return provider in ("*", inv.provider) and offering in ("*", inv.offering)
+        want_provider, want_offering = "*", pattern
+    return want_provider in ("*", provider) and want_offering in ("*", offering)
+
+
+def types_qualified(patterns: Iterable[str], a: tuple[str, str], b: tuple[str, str]) -> bool:
+    """Is the pair of machine types (provider, offering) a qualified combination (G21)?"""
+    for pattern in patterns:
+        left, right = pattern.split("+", 1)
+        if (_matches(left, *a) and _matches(right, *b)) or (_matches(left, *b) and _matches(right, *a)):
+            return True
+    return False
 
 
 def pair_qualified(patterns: Iterable[str], a: Inventory, b: Inventory) -> bool:
-    for pattern in patterns:
-        left, right = pattern.split("+", 1)
-        if (_matches(left, a) and _matches(right, b)) or (_matches(left, b) and _matches(right, a)):
-            return True
-    return False
+    return types_qualified(patterns, (a.provider, a.offering), (b.provider, b.offering))
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What the planner needs of a record's addresses, parsed once when the record arrives."""
+
+    eth0_usable: bool  # a unicast address (C4)
+    eth0_namespace: str | None  # loopback: the namespace it is reachable in; None otherwise
+    eth0_family: int
+    private_usable: bool
+    private_namespace: str | None
+    private_family: int
+
+    @staticmethod
+    def of(inv: Inventory) -> Facts:
+        def judge(address: str | None) -> tuple[bool, str | None, int]:
+            if not address or address_problem(address) is not None:
+                return False, None, 0
+            if is_loopback(address):
+                # Loopback reaches only inside one network namespace (C4).
+                return bool(inv.network_namespace), inv.network_namespace, ip_family(address)
+            return True, None, ip_family(address)
+
+        eth0 = judge(inv.address)
+        private = judge(inv.private_address) if inv.private_network else (False, None, 0)
+        return Facts(*eth0, *private)
+
+
+Shape = tuple[str, str]  # (backend, model)
+
+
+class Candidates:
+    """Machines indexed for planning: by accelerator shape, and private networks by shape."""
+
+    def __init__(self, records: Iterable[NodeRecord] = ()) -> None:
+        self.by_shape: dict[Shape, dict[str, NodeRecord]] = {}
+        self.private: dict[Shape, dict[tuple[str, str, str], dict[str, NodeRecord]]] = {}
+        self.facts: dict[str, Facts] = {}
+        self._where: dict[str, tuple[Shape, tuple[str, str, str] | None]] = {}
+        for record in records:
+            self.add(record)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._where
+
+    def add(self, record: NodeRecord) -> None:
+        inv = record.inventory
+        self.remove(inv.node)
+        shape = (inv.accelerators.backend, inv.accelerators.model)
+        facts = Facts.of(inv)
+        self.facts[inv.node] = facts
+        self.by_shape.setdefault(shape, {})[inv.node] = record
+        network = None
+        if facts.private_usable and inv.private_network:
+            network = (inv.provider, inv.region, inv.private_network)
+            self.private.setdefault(shape, {}).setdefault(network, {})[inv.node] = record
+        self._where[inv.node] = (shape, network)
+
+    def remove(self, node: str) -> None:
+        where = self._where.pop(node, None)
+        if where is None:
+            return
+        shape, network = where
+        self.facts.pop(node, None)
+        bucket = self.by_shape.get(shape)
+        if bucket is not None:
+            bucket.pop(node, None)
+            if not bucket:
+                del self.by_shape[shape]
+        if network is not None:
+            groups = self.private[shape]
+            groups[network].pop(node, None)
+            if not groups[network]:
+                del groups[network]
+            if not groups:
+                del self.private[shape]
+
+    def shapes(self, job: Job) -> list[Shape]:
+        want = job.spec.accelerators
+        return [
+            shape
+            for shape in self.by_shape
+            if (want.backend is None or shape[0] == want.backend)
+            and (want.model is None or shape[1] == want.model)
+        ]
+
+
+# A search over a group that takes more steps than this gives up on the group (reported).
+SEARCH_BUDGET = 20_000
 
 
 class Planner:
@@ -146,63 +258,59 @@ class Planner:
             return False
         return want.model is None or have.model == want.model
 
-    def _group_key(self, job: Job, inv: Inventory, path: PathClass) -> tuple[str, ...] | None:
-        """Members of one gang share a group: one scope (G4), one backend (C5), and for
-        loopback addresses one network namespace (C4). None: not usable on this path."""
+    def _scope(self, job: Job, inv: Inventory) -> tuple[str, ...]:
         network = job.spec.distributed.network
+        if network == "Colocated":
+            return (inv.provider, inv.region)
+        if network == "Regional":
+            return (inv.region_class,)
+        return ()
+
+    def _group_key(
+        self, job: Job, inv: Inventory, facts: Facts, path: PathClass
+    ) -> tuple[object, ...] | None:
+        """Members of one gang share a group: one scope (G4), one backend (C5), one IP family,
+        and for loopback addresses one network namespace (C4). None: unusable on this path."""
+        backend = inv.accelerators.backend
         if path is PathClass.PRIVATE:
             # Private: one provider region with a private network, whatever the scope.
-            if not inv.private_network or not inv.private_address:
+            if not facts.private_usable:
                 return None
-            scope: tuple[str, ...] = (inv.provider, inv.region, inv.private_network)
-            address = inv.private_address
-        else:
-            if network == "Colocated":
-                scope = (inv.provider, inv.region)
-            elif network == "Regional":
-                scope = (inv.region_class,)
-            else:
-                scope = ()
-            address = inv.address
+            return (inv.provider, inv.region, inv.private_network, backend,
+                    facts.private_family, facts.private_namespace)
         if path is PathClass.DIRECT:
-            return (*scope, inv.accelerators.backend)
-        if address_problem(address) is not None:
+            return (*self._scope(job, inv), backend)
+        if not facts.eth0_usable:
             return None
-        namespace = inv.network_namespace if is_loopback(address) else ""
-        if is_loopback(address) and not namespace:
-            return None
-        return (*scope, inv.accelerators.backend, namespace)
+        return (*self._scope(job, inv), backend, facts.eth0_family, facts.eth0_namespace)
 
     # -- planning ------------------------------------------------------------------------------
 
     def plan(
         self,
         job: Job,
-        free: Collection[NodeRecord],
+        free: Collection[NodeRecord] | Candidates,
         exclusions: Exclusions | None = None,
         mesh_id: str = "0" * 32,
     ) -> tuple[Plan | None, list[Shortfall]]:
         """The best plan over the free nodes, or the shortfall of every path tried."""
+        candidates = free if isinstance(free, Candidates) else Candidates(free)
         exclusions = exclusions or Exclusions()
-        members = job.spec.distributed.members
         paths, shortfalls = self.paths_for(job)
         for path in paths:
-            plan, shortfall = self._plan_path(job, path, free, members, exclusions, mesh_id)
+            plan, shortfall = self._plan_path(job, path, candidates, exclusions, mesh_id)
             if plan is not None:
                 return plan, []
             shortfalls.append(shortfall)
         if not any(
-            record.inventory.node not in exclusions.nodes and self.eligible(job, record)
-            for record in free
+            self.eligible(job, record) and record.inventory.node not in exclusions.nodes
+            for shape in candidates.shapes(job)
+            for record in candidates.by_shape[shape].values()
         ):
             want = job.spec.accelerators
             what = " ".join(
                 part
-                for part in (
-                    f"{want.count}x" if want.count else "",
-                    want.backend or "",
-                    want.model or "",
-                )
+                for part in (f"{want.count}x" if want.count else "", want.backend or "", want.model or "")
                 if part
             )
             shortfalls.insert(
@@ -215,26 +323,38 @@ class Planner:
             )
         return None, shortfalls
 
+    def _records_for(self, job: Job, path: PathClass, candidates: Candidates) -> Iterator[NodeRecord]:
+        shapes = candidates.shapes(job)
+        if path is PathClass.PRIVATE:
+            for shape in shapes:
+                for group in candidates.private.get(shape, {}).values():
+                    if len(group) >= job.spec.distributed.members:
+                        yield from group.values()
+        else:
+            for shape in shapes:
+                yield from candidates.by_shape[shape].values()
+
     def _plan_path(
         self,
         job: Job,
         path: PathClass,
-        free: Collection[NodeRecord],
-        members: int,
+        candidates: Candidates,
         exclusions: Exclusions,
         mesh_id: str,
     ) -> tuple[Plan | None, Shortfall]:
+        members = job.spec.distributed.members
         patterns = getattr(self.config.qualified, path.value)
-        groups: dict[tuple[str, ...], list[NodeRecord]] = {}
+        groups: dict[tuple[object, ...], list[NodeRecord]] = {}
+        tried: dict[tuple[object, ...], int] = {}  # group -> size when last searched
         usable = capable = 0
-        best = 0
-        for record in free:
+        budget = [SEARCH_BUDGET]
+        for record in self._records_for(job, path, candidates):
             inv = record.inventory
             if path is PathClass.DIRECT and inv.offering != "vm":
                 continue
             if inv.node in exclusions.nodes or not self.eligible(job, record):
                 continue
-            key = self._group_key(job, inv, path)
+            key = self._group_key(job, inv, candidates.facts[inv.node], path)
             if key is None:
                 continue
             usable += 1
@@ -245,29 +365,97 @@ class Planner:
             if path is not PathClass.DIRECT and advertised in exclusions.addresses:
                 continue
             group = groups.setdefault(key, [])
-            if path is not PathClass.DIRECT and any(
-                (m.inventory.private_address if path is PathClass.PRIVATE else m.inventory.address)
-                == advertised
-                for m in group
-            ):
-                continue  # G7/C4: advertised addresses are distinct within a gang
-            if not all(pair_qualified(patterns, inv, m.inventory) for m in group):
-                continue
             group.append(record)
-            best = max(best, len(group))
-            if len(group) == members and self._path_holds(path, group):
-                return self._build(path, group, mesh_id), Shortfall(path, ErrorCode.INVALID, "")
-            if len(group) == members:
-                group.pop()  # a Relayed gang needs a member without a network device
-                best = max(best, len(group))
+            # Search a group when it first could hold the gang, then each time it doubles.
+            if len(group) >= members and len(group) >= 2 * tried.get(key, 0):
+                tried[key] = len(group)
+                found = self._search(path, group, members, patterns, budget)
+                if found is not None:
+                    return self._build(path, found, mesh_id), _NO_SHORTFALL
+        best = 0
+        for key, group in groups.items():
+            if len(group) >= members and tried.get(key) != len(group):
+                found = self._search(path, group, members, patterns, budget)
+                if found is not None:
+                    return self._build(path, found, mesh_id), _NO_SHORTFALL
+            best = max(best, min(len(group), members - 1))
+        if budget[0] <= 0:
+            return None, Shortfall(
+                path, ErrorCode.UNSATISFIABLE, f"{path.value}: search budget exhausted; try again"
+            )
         return None, self._explain(job, path, members, usable, capable, best, patterns)
 
-    @staticmethod
-    def _path_holds(path: PathClass, group: list[NodeRecord]) -> bool:
-        # G6: Relayed is chosen when a member has no network device; all-VM gangs go Direct.
-        if path is PathClass.RELAYED:
-            return any(record.inventory.offering == "container" for record in group)
-        return True
+    def _search(
+        self,
+        path: PathClass,
+        group: list[NodeRecord],
+        members: int,
+        patterns: list[str],
+        budget: list[int],
+    ) -> list[NodeRecord] | None:
+        """Choose `members` machines of one group: every pair qualified (G21), distinct advertised
+        addresses (G7, C4), and on Relayed at least one container (G6). Machines of one type
+        (provider, offering) are interchangeable for qualification, so the search runs over how
+        many of each type, then matches machines to distinct addresses."""
+        by_type: dict[tuple[str, str], list[NodeRecord]] = {}
+        for record in group:
+            by_type.setdefault((record.inventory.provider, record.inventory.offering), []).append(record)
+        types = list(by_type)
+        distinct = path is not PathClass.DIRECT
+
+        def advertised(record: NodeRecord) -> str:
+            inv = record.inventory
+            return (inv.private_address or "") if path is PathClass.PRIVATE else inv.address
+
+        capacity = [
+            len({advertised(r) for r in by_type[t]}) if distinct else len(by_type[t]) for t in types
+        ]
+        remaining_capacity = [sum(capacity[i:]) for i in range(len(types))] + [0]
+        qualified: dict[tuple[int, int], bool] = {}
+
+        def ok(i: int, j: int) -> bool:
+            if (i, j) not in qualified:
+                qualified[(i, j)] = types_qualified(patterns, types[i], types[j])
+            return qualified[(i, j)]
+
+        counts = [0] * len(types)
+
+        def assign() -> list[NodeRecord] | None:
+            if path is PathClass.RELAYED and not any(
+                counts[i] and types[i][1] == "container" for i in range(len(types))
+            ):
+                return None
+            slots = [i for i in range(len(types)) for _ in range(counts[i])]
+            if not distinct:
+                taken: dict[int, int] = {}
+                chosen = []
+                for i in slots:
+                    chosen.append(by_type[types[i]][taken.get(i, 0)])
+                    taken[i] = taken.get(i, 0) + 1
+                return chosen
+            return _match_distinct(slots, [by_type[t] for t in types], advertised)
+
+        def choose(i: int, left: int, picked: list[int]) -> list[NodeRecord] | None:
+            budget[0] -= 1
+            if budget[0] <= 0:
+                return None
+            if left == 0:
+                return assign()
+            if i == len(types) or remaining_capacity[i] < left:
+                return None
+            for count in range(min(capacity[i], left), -1, -1):
+                if count and not (
+                    (count < 2 or ok(i, i)) and all(ok(i, j) for j in picked)
+                ):
+                    continue
+                counts[i] = count
+                found = choose(i + 1, left - count, [*picked, i] if count else picked)
+                if found is not None:
+                    return found
+            counts[i] = 0
+            return None
+
+        return choose(0, members, [])
 
     def _build(self, path: PathClass, group: list[NodeRecord], mesh_id: str) -> Plan:
         group = sorted(group, key=lambda record: record.inventory.node)  # stable rank order
@@ -334,6 +522,37 @@ class Planner:
             f"distinct addresses and a qualified combination ({', '.join(patterns)}); "
             f"at most {best} found",
         )
+
+
+_NO_SHORTFALL = Shortfall(PathClass.DIRECT, ErrorCode.INVALID, "")
+
+
+def _match_distinct(
+    slots: list[int],
+    pools: list[list[NodeRecord]],
+    advertised: Callable[[NodeRecord], str],
+) -> list[NodeRecord] | None:
+    """Give every slot (a type index) a machine of its type, all advertised addresses distinct:
+    a bipartite matching of slots to addresses by augmenting paths (at most 8 slots)."""
+    owner: dict[str, int] = {}  # address -> slot
+    chosen: dict[int, NodeRecord] = {}
+
+    def augment(slot: int, seen: set[str]) -> bool:
+        for record in pools[slots[slot]]:
+            address = advertised(record)
+            if address in seen:
+                continue
+            seen.add(address)
+            if address not in owner or augment(owner[address], seen):
+                owner[address] = slot
+                chosen[slot] = record
+                return True
+        return False
+
+    for slot in range(len(slots)):
+        if not augment(slot, set()):
+            return None
+    return [chosen[slot] for slot in range(len(slots))]
 
 
 def check_plan(plan: Plan, records: dict[str, NodeRecord], job: Job) -> list[str]:

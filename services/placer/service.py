@@ -14,6 +14,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from libs.bus import Bus, Endpoint, Versioned
 from libs.contracts import names
+from libs.runtime.tasks import cancel_and_wait
 from libs.contracts.api import ApplyReply, ApplyRequest, DeleteReply, DeleteRequest
 from libs.contracts.base import now
 from libs.contracts.bounds import RELATIVE_TO_DIRECT, derive
@@ -96,17 +97,15 @@ class Placer:
     # -- start and stop ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        t = now()
-        for key, item in (await self.nodes.snapshot()).items():
-            self.view.set_record(key, item.value, t)
-        for key, health in (await self.health.snapshot()).items():
-            self.view.set_health(key, health.value, t)
-        for key, lease in (await self.leases.snapshot()).items():
-            self.view.set_lease(key, lease.value, t)
+        # One pass per bucket: each watch delivers the current values, then every change.
+        caught_up = [asyncio.Event() for _ in range(3)]
         self._tasks = [
-            asyncio.create_task(self._watch_nodes()),
-            asyncio.create_task(self._watch_health()),
-            asyncio.create_task(self._watch_leases()),
+            asyncio.create_task(self._watch_nodes(caught_up[0])),
+            asyncio.create_task(self._watch_health(caught_up[1])),
+            asyncio.create_task(self._watch_leases(caught_up[2])),
+        ]
+        await asyncio.gather(*(event.wait() for event in caught_up))
+        self._tasks += [
             asyncio.create_task(self._watch_jobs()),
             asyncio.create_task(self._worker()),
             asyncio.create_task(self._sweeper()),
@@ -124,9 +123,7 @@ class Placer:
         log.info("placer %s ready with %d machines", self.replica, len(self.view.records))
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
 
     # -- the API -------------------------------------------------------------------------------
 
@@ -176,7 +173,7 @@ class Placer:
         )
         if shape not in self._feasible_cache:
             try:
-                admission.check_feasible(job, self.planner, self.view.records.values())
+                admission.check_feasible(job, self.planner, self.view.registered)
                 self._feasible_cache[shape] = None
             except NodusError as error:
                 self._feasible_cache[shape] = error
@@ -200,20 +197,20 @@ class Placer:
 
     # -- watches -------------------------------------------------------------------------------
 
-    async def _watch_nodes(self) -> None:
-        async for change in self.nodes.watch():
+    async def _watch_nodes(self, caught_up: asyncio.Event) -> None:
+        async for change in self.nodes.watch(caught_up=caught_up):
             self.view.set_record(change.key, change.value, now())
             self._capacity_changed()
 
-    async def _watch_health(self) -> None:
-        async for change in self.health.watch():
+    async def _watch_health(self, caught_up: asyncio.Event) -> None:
+        async for change in self.health.watch(caught_up=caught_up):
             was = change.key in self.view.free
             self.view.set_health(change.key, change.value, now())
             if (change.key in self.view.free) != was:
                 self._capacity_changed()
 
-    async def _watch_leases(self) -> None:
-        async for change in self.leases.watch():
+    async def _watch_leases(self, caught_up: asyncio.Event) -> None:
+        async for change in self.leases.watch(caught_up=caught_up):
             self.view.set_lease(change.key, change.value, now())
             if change.value is None:
                 self._capacity_changed()
@@ -271,9 +268,7 @@ class Placer:
                 self._waiting.discard(key)
                 return
             mesh = MeshIdentity()
-            plan, shortfalls = self.planner.plan(
-                current.value, self.view.free.values(), exclusions, mesh.mesh_id
-            )
+            plan, shortfalls = self.planner.plan(current.value, self.view.free, exclusions, mesh.mesh_id)
             if plan is None:
                 self._waiting.add(key)
                 DECISIONS.labels("unschedulable").inc()

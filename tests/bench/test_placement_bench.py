@@ -1,0 +1,59 @@
+"""The placement bench still runs: a --quick run reaches a decision for every job and reports
+every figure. Behaviour only; the bench reports speed, this test never judges it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.bench import placement
+
+
+@pytest.mark.slow
+async def test_quick_bench_decides_every_job_and_reports_its_figures() -> None:
+    opts = placement.options_from(placement.parse_args(["--quick", "--timeout", "240"]))
+    result = await placement.run(opts)
+
+    assert "error" not in result, result.get("error")
+    assert result["timed_out"] is False
+    assert placement.completed(result)
+    for key in (
+        "params",
+        "fleet",
+        "jobs",
+        "placer_start",
+        "baseline",
+        "placement",
+        "placer_internal",
+        "cpu_s_during_burst",
+        "ratios",
+    ):
+        assert key in result, key
+
+    assert result["fleet"]["machines"] == 1000
+    assert result["fleet"]["unique_addresses"] is True
+    assert result["placer_log"]["ready_line"].endswith("ready with 1000 machines")
+
+    placement_figures = result["placement"]
+    assert placement_figures["submitted"] == 100
+    assert placement_figures["undecided"] == 0
+    assert (
+        placement_figures["placed"]
+        + placement_figures["unschedulable"]
+        + placement_figures["refused"]
+        == 100
+    )
+    assert placement_figures["placed"] > 0
+    assert placement_figures["apply_to_placed_ms"]["n"] == placement_figures["placed"]
+    for figure in ("p50", "p99"):
+        assert figure in placement_figures["apply_to_placed_ms"]
+        assert figure in placement_figures["apply_reply_ms"]
+        assert figure in result["baseline"]["nats_rtt_ms"]
+        assert figure in result["baseline"]["kv_put_ms"]
+    assert placement_figures["decisions_per_second"] is not None
+    assert result["ratios"]["apply_to_placed_p50_over_nats_rtt_p50"] is not None
+
+    # The placer counted the same decisions the watch saw, and was stopped cleanly.
+    decisions = result["placer_internal"]["decisions"]
+    assert decisions["placed"] == placement_figures["placed"]
+    assert decisions["unschedulable"] == placement_figures["unschedulable"]
+    assert result["placer_exit_code"] == 0

@@ -1,0 +1,69 @@
+"""Fixtures: a real nats-server with JetStream per test, the bus, and an in-process placer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from libs.bus import Bus
+from libs.bus.server import NatsServer
+from libs.contracts import names
+from services.placer.config import PlacerConfig, load_config
+from services.placer.service import Placer
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path / "nats").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
+    opened = await Bus.open(nats_server.url, name="test", buckets=names.ALL_BUCKETS, streams=True)
+    yield opened
+    await opened.close()
+
+
+@pytest.fixture
+def placer_config() -> PlacerConfig:
+    config = load_config()
+    config.distributed_access = ["acme", "globex", "initech"]
+    config.takeover_seconds = 0.5
+    return config
+
+
+StartPlacer = Callable[..., Awaitable[Placer]]
+
+
+@pytest.fixture
+async def start_placer(nats_server: NatsServer, placer_config: PlacerConfig) -> AsyncIterator[StartPlacer]:
+    """Start placers in-process, each on its own connection, as separate replicas would be."""
+    started: list[tuple[Placer, Bus]] = []
+
+    async def start(config: PlacerConfig | None = None, replica: str | None = None) -> Placer:
+        placer_bus = await Bus.open(
+            nats_server.url, name="placer", buckets=names.ALL_BUCKETS, streams=True
+        )
+        placer = Placer(placer_bus, config or placer_config, replica=replica)
+        await placer.start()
+        started.append((placer, placer_bus))
+        return placer
+
+    yield start
+    for placer, placer_bus in started:
+        await placer.stop()
+        await placer_bus.close()
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    """Poll `check` until it holds; fail with a clear message when it never does."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        if await check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"condition {check.__name__} did not hold within {timeout}s")
