@@ -41,7 +41,9 @@ StartPlacer = Callable[..., Awaitable[Placer]]
 
 
 @pytest.fixture
-async def start_placer(nats_server: NatsServer, placer_config: PlacerConfig) -> AsyncIterator[StartPlacer]:
+async def start_placer(
+    nats_server: NatsServer, placer_config: PlacerConfig
+) -> AsyncIterator[StartPlacer]:
     """Start placers in-process, each on its own connection, as separate replicas would be."""
     started: list[tuple[Placer, Bus]] = []
 
@@ -58,6 +60,7 @@ async def start_placer(nats_server: NatsServer, placer_config: PlacerConfig) -> 
     for placer, placer_bus in started:
         await placer.stop()
         await placer_bus.close()
+
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
     """Poll `check` until it holds; fail with a clear message when it never does."""

@@ -28,7 +28,9 @@ def machine(name: str, **fields: Any) -> Machine:
     return convert(data, Machine)
 
 
-def node_record(m: Machine, capabilities: list[str] | None = None, namespace: str = "ns-1") -> NodeRecord:
+def node_record(
+    m: Machine, capabilities: list[str] | None = None, namespace: str = "ns-1"
+) -> NodeRecord:
     inventory = inventory_of(m)
     inventory.network_namespace = namespace
     return NodeRecord(
@@ -58,7 +60,9 @@ async def register(bus: Any, records: list[NodeRecord]) -> None:
     await asyncio.gather(
         *(nodes.put(r.inventory.node, r) for r in records),
         *(
-            health.put(r.inventory.node, NodeHealth(node=r.inventory.node, healthy=True, heartbeat_time=t))
+            health.put(
+                r.inventory.node, NodeHealth(node=r.inventory.node, healthy=True, heartbeat_time=t)
+            )
             for r in records
         ),
     )

@@ -148,7 +148,9 @@ class Bus:
         except msgspec.DecodeError as bad:
             raise NodusError(ErrorCode.INTERNAL, f"malformed reply on {subject}: {bad}") from bad
 
-    async def publish(self, subject: str, body: msgspec.Struct, dedup_id: str | None = None) -> None:
+    async def publish(
+        self, subject: str, body: msgspec.Struct, dedup_id: str | None = None
+    ) -> None:
         """Publish into a stream; `dedup_id` makes a retry land once."""
         headers = {"Nats-Msg-Id": dedup_id} if dedup_id else None
         await self.js.publish(subject, encode(body), headers=headers)
@@ -208,7 +210,9 @@ class Endpoint(Generic[Req, Rep]):
         try:
             body = decode(request.data, self.request)
         except (msgspec.ValidationError, msgspec.DecodeError) as error:
-            await _respond_error(request, NodusError(ErrorCode.INVALID, f"malformed request: {error}"))
+            await _respond_error(
+                request, NodusError(ErrorCode.INVALID, f"malformed request: {error}")
+            )
             return
         try:
             reply = await self.handler(body)

@@ -29,7 +29,8 @@ class EpochGuard:
         current = self._current.get(gang)
         if current is None:
             raise NodusError(
-                ErrorCode.EPOCH_MISMATCH, f"gang {gang} has no persisted epoch; refusing epoch {epoch}"
+                ErrorCode.EPOCH_MISMATCH,
+                f"gang {gang} has no persisted epoch; refusing epoch {epoch}",
             )
         if epoch < current:
             raise NodusError(
@@ -49,5 +50,7 @@ def check_plan_generations(gang: str, generations: Iterable[tuple[str, int]]) ->
     epochs = {epoch for _, epoch in seen}
     if len(epochs) != 1:
         detail = ", ".join(f"{part}={epoch}" for part, epoch in sorted(seen))
-        raise NodusError(ErrorCode.EPOCH_MISMATCH, f"gang {gang}: plan generations disagree: {detail}")
+        raise NodusError(
+            ErrorCode.EPOCH_MISMATCH, f"gang {gang}: plan generations disagree: {detail}"
+        )
     return epochs.pop()

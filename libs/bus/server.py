@@ -37,8 +37,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 class NatsServer:
     """One nats-server process with JetStream on 127.0.0.1; stopped by `stop()` or at exit."""
 
-    def __init__(self, store_dir: Path, port: int = 0, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, store_dir: Path, port: int = 0, host: str = "127.0.0.1", jetstream: bool = True
+    ) -> None:
         self.store_dir = store_dir
+        self.jetstream = jetstream
         self.port = port or free_port(host)
         self.host = host
         self.process: subprocess.Popen[bytes] | None = None
@@ -49,15 +52,12 @@ class NatsServer:
 
     def start(self, timeout: float = 10.0) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.store_dir / "nats-server.log", "ab")  # noqa: SIM115 - owned by the child
+        log = open(self.store_dir / "nats-server.log", "ab")
         self.process = subprocess.Popen(
             [
                 nats_server_binary(),
-                "-a", self.host,
-                "-p", str(self.port),
-                "-js",
-                "-sd", str(self.store_dir),
-                "--http_port", "0",
+                *("-a", self.host, "-p", str(self.port)),
+                *(("-js", "-sd", str(self.store_dir)) if self.jetstream else ()),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -78,7 +78,9 @@ class NatsServer:
             except OSError:
                 time.sleep(0.05)
         self.stop()
-        raise NodusError(ErrorCode.JOURNAL_UNAVAILABLE, f"nats-server did not listen within {timeout}s")
+        raise NodusError(
+            ErrorCode.JOURNAL_UNAVAILABLE, f"nats-server did not listen within {timeout}s"
+        )
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:

@@ -7,7 +7,7 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ import msgspec
 from libs.bus.connection import DEFAULT_URL
 from libs.contracts.errors import NodusError
 
-CommandBody = Callable[[argparse.Namespace], Awaitable[int]]
+CommandBody = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
 
 def _client_flags(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,9 @@ def _client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--org", help="the job's org, needed only when two orgs use one name")
 
 
-def _output_flag(parser: argparse.ArgumentParser, formats: str = "wide|json|yaml|jsonpath=...") -> None:
+def _output_flag(
+    parser: argparse.ArgumentParser, formats: str = "wide|json|yaml|jsonpath=..."
+) -> None:
     parser.add_argument("-o", "--output", default="", help=f"output format: {formats}")
 
 
@@ -61,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     _output_flag(get)
     _client_flags(get)
 
-    describe = sub.add_parser("describe", help="a job in full: members, plan bounds, conditions, events")
+    describe = sub.add_parser(
+        "describe", help="a job in full: members, plan bounds, conditions, events"
+    )
     describe.add_argument("kind", choices=["job"])
     describe.add_argument("name")
     _client_flags(describe)
@@ -198,20 +202,51 @@ async def _get(args: argparse.Namespace) -> int:
             if args.output in ("json", "yaml") or args.output.startswith("jsonpath="):
                 print(render_one([job_document(j) for j in jobs]))
             else:
-                print(table(["NAME", "ORG", "PHASE", "EPOCH", "TRANSPORT", "MEMBERS", "NODES", "REASON", "AGE"],
-                            [_job_row(j) for j in jobs]))
+                print(
+                    table(
+                        [
+                            "NAME",
+                            "ORG",
+                            "PHASE",
+                            "EPOCH",
+                            "TRANSPORT",
+                            "MEMBERS",
+                            "NODES",
+                            "REASON",
+                            "AGE",
+                        ],
+                        [_job_row(j) for j in jobs],
+                    )
+                )
             return 0
         if args.kind == "job":
             if args.watch:
                 async for job in client.watch_job(args.name, args.org):
-                    print(render_one(job_document(job)) if args.output else "   ".join(_job_row(job)), flush=True)
+                    print(
+                        render_one(job_document(job)) if args.output else "   ".join(_job_row(job)),
+                        flush=True,
+                    )
                 return 0
             job = await client.get_job(args.name, args.org)
             if args.output:
                 print(render_one(job_document(job)))
             else:
-                print(table(["NAME", "ORG", "PHASE", "EPOCH", "TRANSPORT", "MEMBERS", "NODES", "REASON", "AGE"],
-                            [_job_row(job)]))
+                print(
+                    table(
+                        [
+                            "NAME",
+                            "ORG",
+                            "PHASE",
+                            "EPOCH",
+                            "TRANSPORT",
+                            "MEMBERS",
+                            "NODES",
+                            "REASON",
+                            "AGE",
+                        ],
+                        [_job_row(job)],
+                    )
+                )
             return 0
         if args.kind in ("nodes", "node"):
             nodes = await client.list_nodes()
@@ -222,7 +257,11 @@ async def _get(args: argparse.Namespace) -> int:
                     return 1
             if args.output:
                 documents = [
-                    {**msgspec.to_builtins(r), "health": msgspec.to_builtins(h) if h else None, "gang": g}
+                    {
+                        **msgspec.to_builtins(r),
+                        "health": msgspec.to_builtins(h) if h else None,
+                        "gang": g,
+                    }
                     for r, h, g in nodes
                 ]
                 print(render_one(documents if args.kind == "nodes" else documents[0]))
@@ -230,16 +269,40 @@ async def _get(args: argparse.Namespace) -> int:
             rows = []
             for record, health, gang in nodes:
                 inv = record.inventory
-                ready = health is not None and health.healthy and (
-                    datetime.now(UTC) - health.heartbeat_time
-                ).total_seconds() < 15
-                rows.append([
-                    inv.node, inv.provider, inv.region, inv.region_class, inv.offering,
-                    f"{inv.accelerators.count}x {inv.accelerators.model} ({inv.accelerators.backend})",
-                    inv.address, "Ready" if ready else "NotReady", gang or "-",
-                ])
-            print(table(["NAME", "PROVIDER", "REGION", "CLASS", "OFFERING", "ACCELERATORS",
-                         "ADDRESS", "STATUS", "GANG"], rows))
+                ready = (
+                    health is not None
+                    and health.healthy
+                    and (datetime.now(UTC) - health.heartbeat_time).total_seconds() < 15
+                )
+                rows.append(
+                    [
+                        inv.node,
+                        inv.provider,
+                        inv.region,
+                        inv.region_class,
+                        inv.offering,
+                        f"{inv.accelerators.count}x {inv.accelerators.model} ({inv.accelerators.backend})",
+                        inv.address,
+                        "Ready" if ready else "NotReady",
+                        gang or "-",
+                    ]
+                )
+            print(
+                table(
+                    [
+                        "NAME",
+                        "PROVIDER",
+                        "REGION",
+                        "CLASS",
+                        "OFFERING",
+                        "ACCELERATORS",
+                        "ADDRESS",
+                        "STATUS",
+                        "GANG",
+                    ],
+                    rows,
+                )
+            )
             return 0
         ranktables = await client.global_ranktable()
         documents = [
@@ -276,7 +339,9 @@ async def _describe(args: argparse.Namespace) -> int:
             lines.append(f"Path:          {status.gang.transport.value}")
             if status.gang.estimate:
                 estimate = status.gang.estimate
-                lines.append(f"Estimate:      {estimate.relative_to_direct:g}x Direct throughput (assumed)")
+                lines.append(
+                    f"Estimate:      {estimate.relative_to_direct:g}x Direct throughput (assumed)"
+                )
                 if estimate.warning:
                     lines.append(f"Warning:       {estimate.warning}")
             if status.gang.probe:
@@ -297,7 +362,10 @@ async def _describe(args: argparse.Namespace) -> int:
                     "  " + line
                     for line in table(
                         ["RANK", "NODE", "ADDRESS", "INTERFACE", "DEVICES"],
-                        [[str(m.rank), m.node, m.address, m.interface, ",".join(m.devices)] for m in epoch.members],
+                        [
+                            [str(m.rank), m.node, m.address, m.interface, ",".join(m.devices)]
+                            for m in epoch.members
+                        ],
                     ).splitlines()
                 )
                 lines.append(
@@ -367,7 +435,10 @@ def _schema(args: argparse.Namespace) -> int:
     }
     if args.name:
         if args.name not in kinds:
-            print(f"error: no schema {args.name!r}; one of {', '.join(sorted(kinds))}", file=sys.stderr)
+            print(
+                f"error: no schema {args.name!r}; one of {', '.join(sorted(kinds))}",
+                file=sys.stderr,
+            )
             return 2
         print(json.dumps(msgspec.json.schema(kinds[args.name]), indent=2))
         return 0

@@ -31,7 +31,11 @@ CLIENT_BUCKETS = [
 
 def error_field(error: msgspec.ValidationError) -> str | None:
     """The JSON path msgspec names at the end of its message, without the backticks."""
-    found = re.findall(r"`([^`]*)`", str(error).rsplit(" - at ", 1)[-1]) if " - at " in str(error) else []
+    found = (
+        re.findall(r"`([^`]*)`", str(error).rsplit(" - at ", 1)[-1])
+        if " - at " in str(error)
+        else []
+    )
     return found[-1] if found else None
 
 
@@ -44,12 +48,16 @@ def parse_job(text: str, source: str = "job") -> Job:
     except RecursionError:
         raise NodusError(ErrorCode.INVALID, f"{source}: YAML nested too deeply") from None
     if not isinstance(raw, dict):
-        raise NodusError(ErrorCode.INVALID, f"{source}: expected a Job mapping, got {type(raw).__name__}")
+        raise NodusError(
+            ErrorCode.INVALID, f"{source}: expected a Job mapping, got {type(raw).__name__}"
+        )
     raw.pop("status", None)
     try:
         return convert(raw, Job)
     except msgspec.ValidationError as error:
-        raise NodusError(ErrorCode.INVALID, f"{source}: {error}", field=error_field(error)) from None
+        raise NodusError(
+            ErrorCode.INVALID, f"{source}: {error}", field=error_field(error)
+        ) from None
 
 
 def load_jobs(path: Path) -> list[Job]:
@@ -78,13 +86,19 @@ class Client:
 
     @classmethod
     async def connect(cls, url: str | None = None, credentials: str | None = None) -> Client:
-        return cls(await Bus.open(url, name="nodus-client", credentials=credentials, buckets=CLIENT_BUCKETS))
+        return cls(
+            await Bus.open(
+                url, name="nodus-client", credentials=credentials, buckets=CLIENT_BUCKETS
+            )
+        )
 
     async def close(self) -> None:
         await self.bus.close()
 
     async def apply(self, job: Job, timeout: float = 10.0) -> ApplyReply:
-        return await self.bus.request(names.API_JOBS_APPLY, ApplyRequest(job=job), ApplyReply, timeout)
+        return await self.bus.request(
+            names.API_JOBS_APPLY, ApplyRequest(job=job), ApplyReply, timeout
+        )
 
     async def delete(self, name: str, org: str | None = None) -> DeleteReply:
         job = await self.get_job(name, org)
@@ -96,7 +110,9 @@ class Client:
 
     async def list_jobs(self) -> list[Job]:
         jobs = await self.jobs.snapshot()
-        return sorted((item.value for item in jobs.values()), key=lambda j: (j.metadata.org, j.metadata.name))
+        return sorted(
+            (item.value for item in jobs.values()), key=lambda j: (j.metadata.org, j.metadata.name)
+        )
 
     async def get_job(self, name: str, org: str | None = None) -> Job:
         """By name; `org` is needed only when two orgs use the name."""
@@ -110,7 +126,9 @@ class Client:
             raise NodusError(ErrorCode.NOT_FOUND, f"job {name} not found")
         if len(matches) > 1:
             orgs = ", ".join(sorted(m.value.metadata.org for m in matches.values()))
-            raise NodusError(ErrorCode.INVALID, f"job {name} exists in several orgs ({orgs}); pass --org")
+            raise NodusError(
+                ErrorCode.INVALID, f"job {name} exists in several orgs ({orgs}); pass --org"
+            )
         return next(iter(matches.values())).value
 
     async def watch_job(self, name: str, org: str | None = None) -> AsyncIterator[Job]:
@@ -123,11 +141,14 @@ class Client:
     async def epoch(self, job: Job) -> Epoch:
         if not job.status.epoch:
             raise NodusError(
-                ErrorCode.NOT_FOUND, f"job {job.metadata.name} has no epoch yet (phase {job.status.phase})"
+                ErrorCode.NOT_FOUND,
+                f"job {job.metadata.name} has no epoch yet (phase {job.status.phase})",
             )
         found = await self.epochs.get(names.epoch_key(job.key, job.status.epoch))
         if found is None:
-            raise NodusError(ErrorCode.NOT_FOUND, f"epoch {job.status.epoch} of {job.key} not found")
+            raise NodusError(
+                ErrorCode.NOT_FOUND, f"epoch {job.status.epoch} of {job.key} not found"
+            )
         return found.value
 
     async def rank_env(self, name: str, rank: int, org: str | None = None) -> dict[str, str]:
@@ -150,7 +171,11 @@ class Client:
             lease = leases.get(key)
             beat = health.get(key)
             result.append(
-                (records[key].value, beat.value if beat else None, lease.value.gang if lease else None)
+                (
+                    records[key].value,
+                    beat.value if beat else None,
+                    lease.value.gang if lease else None,
+                )
             )
         return result
 

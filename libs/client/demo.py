@@ -16,8 +16,15 @@ from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.jobs import Job, Phase
 
 JOBS_DIR = REPO / "examples" / "jobs"
-SHOWN_ENV = ("NODUS_GANG_TRANSPORT", "MASTER_ADDR", "PET_RDZV_ENDPOINT", "NCCL_SOCKET_IFNAME",
-             "NODUS_COLLECTIVES", "LD_PRELOAD", "NODUS_NETSHIM_PEERS")
+SHOWN_ENV = (
+    "NODUS_GANG_TRANSPORT",
+    "MASTER_ADDR",
+    "PET_RDZV_ENDPOINT",
+    "NCCL_SOCKET_IFNAME",
+    "NODUS_COLLECTIVES",
+    "LD_PRELOAD",
+    "NODUS_NETSHIM_PEERS",
+)
 
 
 def say(text: str = "") -> None:
@@ -37,7 +44,9 @@ async def _wait_placed(client: Client, job: Job, timeout: float = 30.0) -> Job:
 async def run_demo() -> int:
     with tempfile.TemporaryDirectory(prefix="nodus-demo-") as state:
         system = LocalSystem(state_dir=Path(state), nats_port=free_port(), heartbeat_seconds=1.0)
-        say("== nodus up: nats-server (JetStream), placer, one agent per machine of examples/fleet.yaml")
+        say(
+            "== nodus up: nats-server (JetStream), placer, one agent per machine of examples/fleet.yaml"
+        )
         await system.start()
         say(f"NODUS_NATS_URL={system.url}")
         client = await Client.connect(system.url)
@@ -105,7 +114,9 @@ async def _run(client: Client) -> int:
     if unexpected:
         say("\nDEMO FAILED: " + "; ".join(unexpected))
         return 1
-    say(f"\n== {len(results)} gangs placed ({', '.join(sorted(transports))}), {len(refused)} jobs refused")
+    say(
+        f"\n== {len(results)} gangs placed ({', '.join(sorted(transports))}), {len(refused)} jobs refused"
+    )
     return 0
 
 

@@ -57,7 +57,12 @@ class LocalSystem:
         logs = self.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{name}.log"
-        env = {**os.environ, "NODUS_NATS_URL": self.url, "NODUS_LOG_FORMAT": "json", **self.extra_env}
+        env = {
+            **os.environ,
+            "NODUS_NATS_URL": self.url,
+            "NODUS_LOG_FORMAT": "json",
+            **self.extra_env,
+        }
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "libs.client", *args],
@@ -82,11 +87,16 @@ class LocalSystem:
             f"agent-{machine}",
             [
                 "agent",
-                "--node", machine,
-                "--fleet", str(self.fleet_path.resolve()),
-                "--state-dir", str(self.machine_dir(machine).resolve()),
-                "--heartbeat-seconds", str(self.heartbeat_seconds),
-                "--socks-listen", f"127.0.0.1:{socks_port}",
+                "--node",
+                machine,
+                "--fleet",
+                str(self.fleet_path.resolve()),
+                "--state-dir",
+                str(self.machine_dir(machine).resolve()),
+                "--heartbeat-seconds",
+                str(self.heartbeat_seconds),
+                "--socks-listen",
+                f"127.0.0.1:{socks_port}",
             ],
         )
 

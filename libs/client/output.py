@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 from jsonpath_ng.exceptions import JsonPathLexerError, JsonPathParserError
-from jsonpath_ng.ext import parse as parse_jsonpath
+from jsonpath_ng.ext.parser import parse as parse_jsonpath
 
 from libs.contracts.errors import ErrorCode, NodusError
 
@@ -45,7 +45,9 @@ def jsonpath(template: str, data: Any) -> str:
         try:
             found = parse_jsonpath(expr).find(data)
         except (JsonPathLexerError, JsonPathParserError, Exception) as error:
-            raise NodusError(ErrorCode.INVALID, f"bad jsonpath {match.group(0)!r}: {error}") from None
+            raise NodusError(
+                ErrorCode.INVALID, f"bad jsonpath {match.group(0)!r}: {error}"
+            ) from None
         return " ".join(_scalar(item.value) for item in found)
 
     return _TEMPLATE_EXPR.sub(render, template)

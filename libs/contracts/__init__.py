@@ -44,6 +44,7 @@ from libs.contracts.jobs import (
     GangStatus,
     Image,
     Job,
+    JobEvent,
     JobSpec,
     JobStatus,
     Metadata,
@@ -52,7 +53,6 @@ from libs.contracts.jobs import (
     Probe,
     job_key,
     with_condition,
-    JobEvent,
 )
 
 __all__ = [
@@ -81,6 +81,7 @@ __all__ = [
     "Image",
     "Inventory",
     "Job",
+    "JobEvent",
     "JobSpec",
     "JobStatus",
     "JoinClaims",
@@ -105,8 +106,7 @@ __all__ = [
     "decode",
     "encode",
     "job_key",
-    "with_condition",
-    "JobEvent",
     "now",
     "to_builtins",
+    "with_condition",
 ]

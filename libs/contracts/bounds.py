@@ -15,7 +15,9 @@ JOIN_KEY_TTL_SECONDS = 15 * 60.0  # G9
 RELATIVE_TO_DIRECT = {PathClass.PRIVATE: 1.0, PathClass.DIRECT: 1.0, PathClass.RELAYED: 0.25}
 
 
-def derive(path: PathClass, members: int, probe_sample_seconds: float = PROBE_SAMPLE_SECONDS) -> Bounds:
+def derive(
+    path: PathClass, members: int, probe_sample_seconds: float = PROBE_SAMPLE_SECONDS
+) -> Bounds:
     """Per-member relay rate is the gang's rate split evenly (G18); buffers are rate x RTT."""
     if members < 1:
         raise ValueError("a gang has at least one member")

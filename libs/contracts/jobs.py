@@ -178,7 +178,9 @@ def with_condition(
             conditions.append(condition)
     if not found:
         conditions.append(
-            Condition(type=kind, status=state, reason=reason, message=message, last_transition_time=when)
+            Condition(
+                type=kind, status=state, reason=reason, message=message, last_transition_time=when
+            )
         )
     return msgspec.structs.replace(status, conditions=conditions)
 

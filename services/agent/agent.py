@@ -11,19 +11,21 @@ from prometheus_client import Counter, Gauge
 
 from libs.bus import Bus, Endpoint
 from libs.contracts import names
-from libs.runtime.tasks import cancel_and_wait
 from libs.contracts.api import NodeInfoReply, NodeInfoRequest
 from libs.contracts.base import Record, now
 from libs.contracts.epochs import Epoch, JoinKeyGrant, JoinRedemption
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Machine, NodeHealth, NodeRecord
 from libs.mesh import verify_join_key
+from libs.runtime.tasks import cancel_and_wait
 from services.agent.inventory import AGENT_VERSION, capabilities_of, inventory_of
 
 log = logging.getLogger("nodus.agent")
 
 HEARTBEATS = Counter("nodus_agent_heartbeats_total", "Heartbeats sent", ["node"])
-JOINS = Counter("nodus_agent_epoch_joins_total", "Join keys handled by outcome", ["node", "outcome"])
+JOINS = Counter(
+    "nodus_agent_epoch_joins_total", "Join keys handled by outcome", ["node", "outcome"]
+)
 JOINED = Gauge("nodus_agent_joined_epochs", "Epochs this node is a member of", ["node"])
 
 
@@ -74,7 +76,12 @@ class Agent:
             f"Agent of machine {self.node}",
             [
                 Endpoint("info", names.node_request(self.node, "info"), NodeInfoRequest, self.info),
-                Endpoint("epochs", names.node_request(self.node, "epochs"), NodeInfoRequest, self.epochs_joined),
+                Endpoint(
+                    "epochs",
+                    names.node_request(self.node, "epochs"),
+                    NodeInfoRequest,
+                    self.epochs_joined,
+                ),
             ],
         )
         await self.nodes.put(self.node, self.record())
@@ -120,7 +127,9 @@ class Agent:
                     joined = await self._join(change.value)
                     self.joined[change.key] = joined
                     JOINS.labels(self.node, "joined").inc()
-                    log.info("joined %s epoch %d as rank %d", joined.gang, joined.epoch, joined.rank)
+                    log.info(
+                        "joined %s epoch %d as rank %d", joined.gang, joined.epoch, joined.rank
+                    )
                 except NodusError as error:
                     JOINS.labels(self.node, error.code.value).inc()
                     log.warning("join refused: %s", error)
@@ -131,19 +140,35 @@ class Agent:
         t = now()
         claims = verify_join_key(grant.token, grant.verify_key, t)
         if claims.node != self.node:
-            raise NodusError(ErrorCode.INVALID, f"join key names node {claims.node}, not {self.node}")
+            raise NodusError(
+                ErrorCode.INVALID, f"join key names node {claims.node}, not {self.node}"
+            )
         stored = await self.epochs.get(names.epoch_key(claims.gang, claims.epoch))
         if stored is None:
-            raise NodusError(ErrorCode.EPOCH_MISMATCH, f"{claims.gang} epoch {claims.epoch} is not persisted")
+            raise NodusError(
+                ErrorCode.EPOCH_MISMATCH, f"{claims.gang} epoch {claims.epoch} is not persisted"
+            )
         epoch = stored.value
         if epoch.fenced:
             raise NodusError(ErrorCode.STALE_EPOCH, f"{claims.gang} epoch {claims.epoch} is fenced")
         if epoch.verify_key != grant.verify_key or epoch.mesh_id != claims.mesh_id:
-            raise NodusError(ErrorCode.INVALID, "join key was not signed by the epoch's mesh identity")
+            raise NodusError(
+                ErrorCode.INVALID, "join key was not signed by the epoch's mesh identity"
+            )
         member = next((m for m in epoch.members if m.node == self.node), None)
         if member is None:
             raise NodusError(ErrorCode.INVALID, f"{self.node} is not a member of {claims.gang}")
-        redemption = JoinRedemption(gang=claims.gang, epoch=claims.epoch, node=self.node, redeemed_time=t)
-        if await self.redeemed.create(names.redeemed_key(self.node, claims.nonce), redemption) is None:
-            raise NodusError(ErrorCode.CONFLICT, f"join key for {claims.gang} epoch {claims.epoch} was already used")
-        return JoinedEpoch(gang=claims.gang, epoch=claims.epoch, rank=member.rank, address=member.address)
+        redemption = JoinRedemption(
+            gang=claims.gang, epoch=claims.epoch, node=self.node, redeemed_time=t
+        )
+        if (
+            await self.redeemed.create(names.redeemed_key(self.node, claims.nonce), redemption)
+            is None
+        ):
+            raise NodusError(
+                ErrorCode.CONFLICT,
+                f"join key for {claims.gang} epoch {claims.epoch} was already used",
+            )
+        return JoinedEpoch(
+            gang=claims.gang, epoch=claims.epoch, rank=member.rank, address=member.address
+        )

@@ -38,7 +38,9 @@ def load_fleet(path: Path) -> Fleet:
     seen: set[str] = set()
     for machine in fleet.machines:
         if machine.name in seen:
-            raise NodusError(ErrorCode.INVALID, f"fleet {path}: machine {machine.name} listed twice")
+            raise NodusError(
+                ErrorCode.INVALID, f"fleet {path}: machine {machine.name} listed twice"
+            )
         seen.add(machine.name)
         if bool(machine.private_network) != bool(machine.private_address):
             raise NodusError(
@@ -78,9 +80,13 @@ def inventory_of(machine: Machine) -> Inventory:
             backend=acc.backend,
             model=acc.model,
             collectives="nccl" if acc.backend == "cuda" else "rccl",
-            visible_devices_var="CUDA_VISIBLE_DEVICES" if acc.backend == "cuda" else "HIP_VISIBLE_DEVICES",
+            visible_devices_var="CUDA_VISIBLE_DEVICES"
+            if acc.backend == "cuda"
+            else "HIP_VISIBLE_DEVICES",
             devices=[
-                AcceleratorDevice(index=i, name=f"{prefix}{i}", numa_node=i * 2 // max(acc.count, 1))
+                AcceleratorDevice(
+                    index=i, name=f"{prefix}{i}", numa_node=i * 2 // max(acc.count, 1)
+                )
                 for i in range(acc.count)
             ],
         ),

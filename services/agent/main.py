@@ -31,9 +31,13 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--heartbeat-seconds", type=float, default=5.0)
     parser.add_argument(
-        "--socks-listen", default="127.0.0.1:1080", help="where this agent serves SOCKS5 to the shim"
+        "--socks-listen",
+        default="127.0.0.1:1080",
+        help="where this agent serves SOCKS5 to the shim",
     )
-    parser.add_argument("--state-dir", type=Path, help="this machine's files (STATE_DIR/machines/NAME)")
+    parser.add_argument(
+        "--state-dir", type=Path, help="this machine's files (STATE_DIR/machines/NAME)"
+    )
 
 
 async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:

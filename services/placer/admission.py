@@ -35,7 +35,9 @@ def check_static(job: Job, planner: Planner) -> None:
                 )
             if "\x00" in value:
                 raise NodusError(
-                    ErrorCode.INVALID, f"{source}.{name} contains a NUL byte", field=f"$.{source}.{name}"
+                    ErrorCode.INVALID,
+                    f"{source}.{name} contains a NUL byte",
+                    field=f"$.{source}.{name}",
                 )
     if job.spec.distributed.transport == "Auto" and "LD_PRELOAD" in job.spec.env:
         raise NodusError(

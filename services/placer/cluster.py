@@ -49,9 +49,7 @@ class ClusterView:
     def alive(self, node: str, now: datetime) -> bool:
         health = self.health.get(node)
         return (
-            health is not None
-            and health.healthy
-            and now - health.heartbeat_time <= self._timeout
+            health is not None and health.healthy and now - health.heartbeat_time <= self._timeout
         )
 
     def refresh(self, node: str, now: datetime) -> bool:
@@ -60,9 +58,13 @@ class ClusterView:
         free = record is not None and node not in self.leases and self.alive(node, now)
         was = node in self.free
         if free and record is not None:
-            if not was or self.free.by_shape.get(
-                (record.inventory.accelerators.backend, record.inventory.accelerators.model), {}
-            ).get(node) is not record:
+            if (
+                not was
+                or self.free.by_shape.get(
+                    (record.inventory.accelerators.backend, record.inventory.accelerators.model), {}
+                ).get(node)
+                is not record
+            ):
                 self.free.add(record)
         elif was:
             self.free.remove(node)

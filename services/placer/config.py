@@ -15,7 +15,9 @@ from libs.contracts.jobs import MAX_MEMBERS, MIN_MEMBERS
 DEFAULT_CONFIG = Path(__file__).with_name("default-config.yaml")
 
 # `offering` or `provider/offering`, `*` matching anything, joined by '+': one qualified pair.
-PairPattern = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9*-]+(/[a-z0-9*-]+)?\+[a-z0-9*-]+(/[a-z0-9*-]+)?$")]
+PairPattern = Annotated[
+    str, msgspec.Meta(pattern=r"^[a-z0-9*-]+(/[a-z0-9*-]+)?\+[a-z0-9*-]+(/[a-z0-9*-]+)?$")
+]
 
 
 class Qualified(Record):

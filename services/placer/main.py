@@ -38,8 +38,11 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
     if args.shim_path:
         config.shim_path = args.shim_path
     bus = await Bus.open(
-        args.nats, name="nodus-placer", credentials=args.credentials,
-        buckets=names.ALL_BUCKETS, streams=True,
+        args.nats,
+        name="nodus-placer",
+        credentials=args.credentials,
+        buckets=names.ALL_BUCKETS,
+        streams=True,
     )
     placer = Placer(bus, config, replica=args.replica)
     try:

@@ -112,7 +112,9 @@ def types_qualified(patterns: Iterable[str], a: tuple[str, str], b: tuple[str, s
     """Is the pair of machine types (provider, offering) a qualified combination (G21)?"""
     for pattern in patterns:
         left, right = pattern.split("+", 1)
-        if (_matches(left, *a) and _matches(right, *b)) or (_matches(left, *b) and _matches(right, *a)):
+        if (_matches(left, *a) and _matches(right, *b)) or (
+            _matches(left, *b) and _matches(right, *a)
+        ):
             return True
     return False
 
@@ -276,8 +278,14 @@ class Planner:
             # Private: one provider region with a private network, whatever the scope.
             if not facts.private_usable:
                 return None
-            return (inv.provider, inv.region, inv.private_network, backend,
-                    facts.private_family, facts.private_namespace)
+            return (
+                inv.provider,
+                inv.region,
+                inv.private_network,
+                backend,
+                facts.private_family,
+                facts.private_namespace,
+            )
         if path is PathClass.DIRECT:
             return (*self._scope(job, inv), backend)
         if not facts.eth0_usable:
@@ -310,7 +318,11 @@ class Planner:
             want = job.spec.accelerators
             what = " ".join(
                 part
-                for part in (f"{want.count}x" if want.count else "", want.backend or "", want.model or "")
+                for part in (
+                    f"{want.count}x" if want.count else "",
+                    want.backend or "",
+                    want.model or "",
+                )
                 if part
             )
             shortfalls.insert(
@@ -323,7 +335,9 @@ class Planner:
             )
         return None, shortfalls
 
-    def _records_for(self, job: Job, path: PathClass, candidates: Candidates) -> Iterator[NodeRecord]:
+    def _records_for(
+        self, job: Job, path: PathClass, candidates: Candidates
+    ) -> Iterator[NodeRecord]:
         shapes = candidates.shapes(job)
         if path is PathClass.PRIVATE:
             for shape in shapes:
@@ -399,7 +413,9 @@ class Planner:
         many of each type, then matches machines to distinct addresses."""
         by_type: dict[tuple[str, str], list[NodeRecord]] = {}
         for record in group:
-            by_type.setdefault((record.inventory.provider, record.inventory.offering), []).append(record)
+            by_type.setdefault((record.inventory.provider, record.inventory.offering), []).append(
+                record
+            )
         types = list(by_type)
         distinct = path is not PathClass.DIRECT
 
@@ -444,9 +460,7 @@ class Planner:
             if i == len(types) or remaining_capacity[i] < left:
                 return None
             for count in range(min(capacity[i], left), -1, -1):
-                if count and not (
-                    (count < 2 or ok(i, i)) and all(ok(i, j) for j in picked)
-                ):
+                if count and not ((count < 2 or ok(i, i)) and all(ok(i, j) for j in picked)):
                     continue
                 counts[i] = count
                 found = choose(i + 1, left - count, [*picked, i] if count else picked)
@@ -562,7 +576,9 @@ def check_plan(plan: Plan, records: dict[str, NodeRecord], job: Job) -> list[str
     nodes = plan.nodes
     inventories = [records[node].inventory for node in nodes]
     if len(nodes) != job.spec.distributed.members:
-        problems.append(f"plan has {len(nodes)} members, the job asks for {job.spec.distributed.members}")
+        problems.append(
+            f"plan has {len(nodes)} members, the job asks for {job.spec.distributed.members}"
+        )
     if len(set(nodes)) != len(nodes):
         problems.append("a machine appears twice in the gang (G3)")
     addresses = [member.address for member in plan.members]

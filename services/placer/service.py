@@ -8,13 +8,13 @@ import logging
 import secrets
 import time
 from datetime import datetime
+from typing import Literal
 
 import msgspec
 from prometheus_client import Counter, Gauge, Histogram
 
 from libs.bus import Bus, Endpoint, Versioned
 from libs.contracts import names
-from libs.runtime.tasks import cancel_and_wait
 from libs.contracts.api import ApplyReply, ApplyRequest, DeleteReply, DeleteRequest
 from libs.contracts.base import now
 from libs.contracts.bounds import RELATIVE_TO_DIRECT, derive
@@ -42,6 +42,7 @@ from libs.contracts.jobs import (
     with_condition,
 )
 from libs.mesh import MeshIdentity
+from libs.runtime.tasks import cancel_and_wait
 from services.placer import admission
 from services.placer.cluster import ClusterView
 from services.placer.config import PlacerConfig
@@ -168,24 +169,24 @@ class Placer:
         if self._feasible_version != self.view.inventory_version:
             self._feasible_cache.clear()
             self._feasible_version = self.view.inventory_version
-        shape = msgspec.json.encode(
-            (job.spec.accelerators, job.spec.distributed, job.metadata.org)
-        )
+        shape = msgspec.json.encode((job.spec.accelerators, job.spec.distributed, job.metadata.org))
         if shape not in self._feasible_cache:
             try:
                 admission.check_feasible(job, self.planner, self.view.registered)
                 self._feasible_cache[shape] = None
             except NodusError as error:
                 self._feasible_cache[shape] = error
-        error = self._feasible_cache[shape]
-        if error is not None:
-            raise error
+        refusal = self._feasible_cache[shape]
+        if refusal is not None:
+            raise refusal
 
     async def delete(self, request: DeleteRequest) -> DeleteReply:
         key = f"{request.org}.{request.name}"
         current = await self.jobs.get(key)
         if current is None:
-            raise NodusError(ErrorCode.NOT_FOUND, f"job {request.name} (org {request.org}) does not exist")
+            raise NodusError(
+                ErrorCode.NOT_FOUND, f"job {request.name} (org {request.org}) does not exist"
+            )
         job = current.value
         # Fence the epoch first (G9), then free what it held, then forget the job.
         if job.status.epoch:
@@ -268,7 +269,9 @@ class Placer:
                 self._waiting.discard(key)
                 return
             mesh = MeshIdentity()
-            plan, shortfalls = self.planner.plan(current.value, self.view.free, exclusions, mesh.mesh_id)
+            plan, shortfalls = self.planner.plan(
+                current.value, self.view.free, exclusions, mesh.mesh_id
+            )
             if plan is None:
                 self._waiting.add(key)
                 DECISIONS.labels("unschedulable").inc()
@@ -355,7 +358,9 @@ class Placer:
             await self._teardown(gang, epoch)
             raise _Retry
         await self.ranktables.put(gang, self._ranktable(placed, record))
-        await self._event(placed, "placed", epoch, f"placed on {', '.join(plan.nodes)} ({plan.path.value})")
+        await self._event(
+            placed, "placed", epoch, f"placed on {', '.join(plan.nodes)} ({plan.path.value})"
+        )
 
     async def _acquire_leases(self, nodes: list[str], lease: Lease, t: datetime) -> dict[str, int]:
         results = await asyncio.gather(*(self.leases.create(node, lease) for node in nodes))
@@ -459,7 +464,12 @@ class Placer:
             ),
         )
         status = msgspec.structs.replace(
-            status, phase=Phase.PLACED, epoch=epoch, gang=gang, placed_time=t, placed_by=self.replica
+            status,
+            phase=Phase.PLACED,
+            epoch=epoch,
+            gang=gang,
+            placed_time=t,
+            placed_by=self.replica,
         )
         return with_condition(
             status,
@@ -491,14 +501,27 @@ class Placer:
         )
 
     async def _set_gang_ready(
-        self, current: Versioned[Job], state: str, reason: str, message: str
+        self,
+        current: Versioned[Job],
+        state: Literal["True", "False", "Unknown"],
+        reason: str,
+        message: str,
     ) -> None:
         """Record why the gang is not ready; skipped when it already says so."""
         existing = current.value.condition(ConditionType.GANG_READY)
-        if existing and (existing.status, existing.reason, existing.message) == (state, reason, message):
+        if existing and (existing.status, existing.reason, existing.message) == (
+            state,
+            reason,
+            message,
+        ):
             return
         status = with_condition(
-            current.value.status, ConditionType.GANG_READY, state, reason, message, now()  # type: ignore[arg-type]
+            current.value.status,
+            ConditionType.GANG_READY,
+            state,
+            reason,
+            message,
+            now(),
         )
         job = msgspec.structs.replace(current.value, status=status)
         await self.jobs.update(current.key, job, current.revision)

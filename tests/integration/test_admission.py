@@ -18,16 +18,47 @@ from tests.factories import job, machine, node_record, register
 FLEET = [
     machine("h100-a", address="10.0.0.1", privateNetwork="vpc-1", privateAddress="172.16.0.1"),
     machine("h100-b", address="10.0.0.2", privateNetwork="vpc-1", privateAddress="172.16.0.2"),
-    machine("mi300-a", provider="lambda", region="us-west-1", address="10.0.1.1",
-            accelerators={"count": 8, "backend": "rocm", "model": "MI300X"}),
-    machine("mi300-b", provider="lambda", region="us-west-1", address="10.0.1.2",
-            accelerators={"count": 8, "backend": "rocm", "model": "MI300X"}),
-    machine("l4-box", provider="vast", region="eu-central-1", regionClass="eu", offering="container",
-            address="10.0.2.1", accelerators={"count": 1, "backend": "cuda", "model": "L4"}),
-    machine("l4-box2", provider="vast", region="eu-central-1", regionClass="eu", offering="container",
-            address="10.0.2.2", accelerators={"count": 1, "backend": "cuda", "model": "L4"}),
-    machine("l4-box3", provider="vast", region="eu-central-1", regionClass="eu", offering="container",
-            address="10.0.2.3", accelerators={"count": 1, "backend": "cuda", "model": "L4"}),
+    machine(
+        "mi300-a",
+        provider="lambda",
+        region="us-west-1",
+        address="10.0.1.1",
+        accelerators={"count": 8, "backend": "rocm", "model": "MI300X"},
+    ),
+    machine(
+        "mi300-b",
+        provider="lambda",
+        region="us-west-1",
+        address="10.0.1.2",
+        accelerators={"count": 8, "backend": "rocm", "model": "MI300X"},
+    ),
+    machine(
+        "l4-box",
+        provider="vast",
+        region="eu-central-1",
+        regionClass="eu",
+        offering="container",
+        address="10.0.2.1",
+        accelerators={"count": 1, "backend": "cuda", "model": "L4"},
+    ),
+    machine(
+        "l4-box2",
+        provider="vast",
+        region="eu-central-1",
+        regionClass="eu",
+        offering="container",
+        address="10.0.2.2",
+        accelerators={"count": 1, "backend": "cuda", "model": "L4"},
+    ),
+    machine(
+        "l4-box3",
+        provider="vast",
+        region="eu-central-1",
+        regionClass="eu",
+        offering="container",
+        address="10.0.2.3",
+        accelerators={"count": 1, "backend": "cuda", "model": "L4"},
+    ),
 ]
 
 
@@ -86,7 +117,10 @@ CASES: list[tuple[str, dict[str, Any], str, ErrorCode, str]] = [
     ),
     (
         "g4-colocated",
-        {"accelerators": {"backend": "rocm"}, "distributed": {"members": 3, "network": "Colocated"}},
+        {
+            "accelerators": {"backend": "rocm"},
+            "distributed": {"members": 3, "network": "Colocated"},
+        },
         "acme",
         ErrorCode.UNSATISFIABLE,
         "Colocated",
@@ -110,7 +144,9 @@ async def test_admission_refuses_with_a_readable_reason(
     assert text in error.message
 
 
-async def test_c6_members_lacking_a_capability_are_refused(bus: Bus, start_placer: StartPlacer) -> None:
+async def test_c6_members_lacking_a_capability_are_refused(
+    bus: Bus, start_placer: StartPlacer
+) -> None:
     old_agents = [node_record(m, capabilities=["register", "heartbeat"]) for m in FLEET[:2]]
     await register(bus, old_agents)
     await start_placer()
@@ -119,7 +155,9 @@ async def test_c6_members_lacking_a_capability_are_refused(bus: Bus, start_place
     assert "join-epoch" in error.message
 
 
-async def test_c4_loopback_across_network_namespaces_is_refused(bus: Bus, start_placer: StartPlacer) -> None:
+async def test_c4_loopback_across_network_namespaces_is_refused(
+    bus: Bus, start_placer: StartPlacer
+) -> None:
     spread = [
         node_record(machine("lo-a", offering="container", address="127.0.0.5"), namespace="host-a"),
         node_record(machine("lo-b", address="127.0.0.6"), namespace="host-b"),
@@ -133,7 +171,9 @@ async def test_c4_loopback_across_network_namespaces_is_refused(bus: Bus, start_
     assert "relayed" in error.message
 
 
-async def test_the_same_spec_applied_twice_is_unchanged_and_a_new_spec_is_refused(client: Client) -> None:
+async def test_the_same_spec_applied_twice_is_unchanged_and_a_new_spec_is_refused(
+    client: Client,
+) -> None:
     first = await client.apply(job("twice", accelerators={"model": "H100"}))
     again = await client.apply(job("twice", accelerators={"model": "H100"}))
     assert first.created and not again.created
@@ -145,11 +185,26 @@ async def test_the_same_spec_applied_twice_is_unchanged_and_a_new_spec_is_refuse
 @pytest.mark.parametrize(
     ("text", "field"),
     [
-        ("metadata: {name: x, org: acme}\nspec: {command: [a], distributed: {members: 12}}", "$.spec.distributed.members"),
-        ("metadata: {name: x, org: acme}\nspec: {command: [a], distributed: {members: 2}, colour: red}", "colour"),
-        ("metadata: {name: x, org: acme}\nspec: {command: a, distributed: {members: 2}}", "$.spec.command"),
-        ("metadata: {name: X_Y, org: acme}\nspec: {command: [a], distributed: {members: 2}}", "$.metadata.name"),
-        ("metadata: {name: x, org: acme}\nspec: {command: [a], distributed: {members: 2, network: Moon}}", "$.spec.distributed.network"),
+        (
+            "metadata: {name: x, org: acme}\nspec: {command: [a], distributed: {members: 12}}",
+            "$.spec.distributed.members",
+        ),
+        (
+            "metadata: {name: x, org: acme}\nspec: {command: [a], distributed: {members: 2}, colour: red}",
+            "colour",
+        ),
+        (
+            "metadata: {name: x, org: acme}\nspec: {command: a, distributed: {members: 2}}",
+            "$.spec.command",
+        ),
+        (
+            "metadata: {name: X_Y, org: acme}\nspec: {command: [a], distributed: {members: 2}}",
+            "$.metadata.name",
+        ),
+        (
+            "metadata: {name: x, org: acme}\nspec: {command: [a], distributed: {members: 2, network: Moon}}",
+            "$.spec.distributed.network",
+        ),
         ("metadata: {name: x, org: acme\nspec: [", "not valid YAML"),
     ],
 )
@@ -160,7 +215,9 @@ def test_malformed_job_files_name_the_field(text: str, field: str) -> None:
     assert field in refused_file.value.message
 
 
-async def test_a_malformed_apply_on_the_wire_is_refused_and_writes_nothing(client: Client, bus: Bus) -> None:
+async def test_a_malformed_apply_on_the_wire_is_refused_and_writes_nothing(
+    client: Client, bus: Bus
+) -> None:
     msg = await bus.nc.request(
         names.API_JOBS_APPLY,
         b'{"job": {"metadata": {"name": "x", "org": "acme"}, "spec": {"command": ["a"], '

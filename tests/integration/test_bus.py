@@ -3,43 +3,33 @@ compare-and-set writes, malformed records are counted and skipped (S3), the epoc
 
 from __future__ import annotations
 
-import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
 
 from libs.bus import Bus, Endpoint, EpochGuard, check_plan_generations
-from libs.bus.server import NatsServer, free_port, nats_server_binary
+from libs.bus.server import NatsServer, free_port
 from libs.contracts import names
 from libs.contracts.api import NodeInfoReply, NodeInfoRequest
 from libs.contracts.epochs import Lease
 from libs.contracts.errors import ErrorCode, NodusError
 
 
-async def test_a_service_refuses_to_start_without_jetstream(tmp_path: Path) -> None:
-    port = free_port()
-    plain = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)])
-    try:
-        server = NatsServer(tmp_path, port)
-        server.process = plain
-        import socket
-        import time
+@pytest.fixture
+def plain_nats(tmp_path: Path) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path / "plain", jetstream=False).start()
+    yield server
+    server.stop()
 
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        with pytest.raises(NodusError) as refused:
-            await Bus.open(server.url, buckets=[names.BUCKET_JOBS])
-        assert refused.value.code is ErrorCode.JOURNAL_UNAVAILABLE
-        assert "nodus-jobs" in refused.value.message
-        assert "JetStream" in refused.value.message
-    finally:
-        plain.terminate()
-        plain.wait()
+
+async def test_a_service_refuses_to_start_without_jetstream(plain_nats: NatsServer) -> None:
+    with pytest.raises(NodusError) as refused:
+        await Bus.open(plain_nats.url, buckets=[names.BUCKET_JOBS])
+    assert refused.value.code is ErrorCode.JOURNAL_UNAVAILABLE
+    assert "nodus-jobs" in refused.value.message
+    assert "JetStream" in refused.value.message
 
 
 async def test_a_bus_that_is_down_is_a_clear_error() -> None:
@@ -51,7 +41,9 @@ async def test_a_bus_that_is_down_is_a_clear_error() -> None:
 
 async def test_a_request_to_a_node_without_agent_is_an_error_to_the_sender(bus: Bus) -> None:
     with pytest.raises(NodusError) as refused:
-        await bus.request(names.node_request("ghost-node", "info"), NodeInfoRequest(), NodeInfoReply)
+        await bus.request(
+            names.node_request("ghost-node", "info"), NodeInfoRequest(), NodeInfoReply
+        )
     assert refused.value.code is ErrorCode.NO_RESPONDERS
     assert "nodus.node.ghost-node.req.info" in refused.value.message
 
@@ -60,7 +52,9 @@ async def test_refusals_and_malformed_requests_come_back_with_codes(bus: Bus) ->
     async def refuse(_: NodeInfoRequest) -> NodeInfoReply:
         raise NodusError(ErrorCode.NOT_FOUND, "no such thing", field="$.x")
 
-    await bus.serve("test-svc", "1.0.0", "test", [Endpoint("info", "test.info", NodeInfoRequest, refuse)])
+    await bus.serve(
+        "test-svc", "1.0.0", "test", [Endpoint("info", "test.info", NodeInfoRequest, refuse)]
+    )
     with pytest.raises(NodusError) as refused:
         await bus.request("test.info", NodeInfoRequest(), NodeInfoReply)
     assert (refused.value.code, refused.value.message, refused.value.field) == (
@@ -78,7 +72,9 @@ async def test_services_answer_nats_discovery(bus: Bus) -> None:
     async def ok(_: NodeInfoRequest) -> NodeInfoRequest:
         return NodeInfoRequest()
 
-    await bus.serve("test-svc", "1.2.3", "test", [Endpoint("info", "test.info", NodeInfoRequest, ok)])
+    await bus.serve(
+        "test-svc", "1.2.3", "test", [Endpoint("info", "test.info", NodeInfoRequest, ok)]
+    )
     reply = await bus.nc.request("$SRV.INFO.test-svc", b"", timeout=2)
     assert b'"version":"1.2.3"' in reply.data.replace(b" ", b"")
 
@@ -106,12 +102,17 @@ async def test_a_malformed_record_is_skipped_and_counted(bus: Bus) -> None:
     await leases.put("good", Lease(gang="a.x", epoch=1, placer="p"))
     kv = await bus.js.key_value(names.BUCKET_LEASES)
     await kv.put("bad", b'{"gang": 7}')
-    before = REGISTRY.get_sample_value(
-        "nodus_bus_malformed_records_total", {"bucket": names.BUCKET_LEASES}
-    ) or 0.0
+    before = (
+        REGISTRY.get_sample_value(
+            "nodus_bus_malformed_records_total", {"bucket": names.BUCKET_LEASES}
+        )
+        or 0.0
+    )
     snapshot = await leases.snapshot()
     assert set(snapshot) == {"good"}
-    after = REGISTRY.get_sample_value("nodus_bus_malformed_records_total", {"bucket": names.BUCKET_LEASES})
+    after = REGISTRY.get_sample_value(
+        "nodus_bus_malformed_records_total", {"bucket": names.BUCKET_LEASES}
+    )
     assert after == before + 1
 
 
