@@ -200,13 +200,32 @@ class Endpoint(Generic[Req, Rep]):
         subject: str,
         request: type[Req],
         handler: Callable[[Req], Awaitable[Rep]],
+        concurrency: int = 1,
     ) -> None:
         self.name = name
         self.subject = subject
         self.request = request
         self.handler = handler
+        # nats-py delivers one message at a time per subscription; handlers that wait on I/O
+        # run as tasks, at most `concurrency` at once (a full set holds the subscription back).
+        self._slots = asyncio.Semaphore(concurrency) if concurrency > 1 else None
+        self._running: set[asyncio.Task[None]] = set()
 
     async def handle(self, request: Request) -> None:
+        if self._slots is None:
+            await self._handle(request)
+            return
+        await self._slots.acquire()
+        task = asyncio.create_task(self._handle(request))
+        self._running.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        if self._slots is not None:
+            self._slots.release()
+
+    async def _handle(self, request: Request) -> None:
         try:
             body = decode(request.data, self.request)
         except (msgspec.ValidationError, msgspec.DecodeError) as error:

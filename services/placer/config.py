@@ -51,6 +51,8 @@ class PlacerConfig(Record):
     heartbeat_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 15.0
     # Attempts (epochs and collision retries) before a gang is left Pending with the reasons.
     max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 8
+    # Jobs committed at once by one replica (their KV round trips overlap).
+    placement_concurrency: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16
     # Another replica takes over a Pending job its accepting placer left for this long.
     takeover_seconds: Annotated[float, msgspec.Meta(ge=0)] = 5.0
 

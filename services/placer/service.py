@@ -92,6 +92,11 @@ class Placer:
         self._queued: set[str] = set()
         self._waiting: set[str] = set()  # admitted, no capacity yet
         self._tasks: list[asyncio.Task[None]] = []
+        self._in_flight: set[str] = set()  # jobs being placed right now
+        self._rerun: set[str] = set()  # asked for again while in flight
+        self._placing: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(config.placement_concurrency)
         self._feasible_cache: dict[bytes, NodusError | None] = {}
         self._feasible_version = -1
 
@@ -116,7 +121,7 @@ class Placer:
             VERSION,
             "Admits and places distributed jobs",
             [
-                Endpoint("apply", names.API_JOBS_APPLY, ApplyRequest, self.apply),
+                Endpoint("apply", names.API_JOBS_APPLY, ApplyRequest, self.apply, concurrency=64),
                 Endpoint("delete", names.API_JOBS_DELETE, DeleteRequest, self.delete),
             ],
             queue_group="nodus-placer",
@@ -124,7 +129,7 @@ class Placer:
         log.info("placer %s ready with %d machines", self.replica, len(self.view.records))
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._tasks)
+        await cancel_and_wait([*self._tasks, *self._placing, *self._background])
 
     # -- the API -------------------------------------------------------------------------------
 
@@ -248,18 +253,36 @@ class Placer:
     # -- placement -----------------------------------------------------------------------------
 
     async def _worker(self) -> None:
+        """Place queued jobs, several at once: planning is synchronous and reserves its machines
+        in the view before the first await, so concurrent commits never pick the same ones."""
         while True:
             key = await self._queue.get()
             self._queued.discard(key)
-            started = time.perf_counter()
-            try:
-                await self._place(key)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("placing %s failed; will retry on the next capacity change", key)
-                self._waiting.add(key)
+            if key in self._in_flight:
+                self._rerun.add(key)
+                continue
+            await self._slots.acquire()
+            self._in_flight.add(key)
+            task = asyncio.create_task(self._place_one(key))
+            self._placing.add(task)
+            task.add_done_callback(self._placing.discard)
+
+    async def _place_one(self, key: str) -> None:
+        started = time.perf_counter()
+        try:
+            await self._place(key)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("placing %s failed; will retry on the next capacity change", key)
+            self._waiting.add(key)
+        finally:
+            self._in_flight.discard(key)
+            self._slots.release()
             PLACE_SECONDS.observe(time.perf_counter() - started)
+            if key in self._rerun:
+                self._rerun.discard(key)
+                self._enqueue(key)
 
     async def _place(self, key: str) -> None:
         exclusions = Exclusions()
@@ -363,10 +386,10 @@ class Placer:
         )
 
     async def _acquire_leases(self, nodes: list[str], lease: Lease, t: datetime) -> dict[str, int]:
+        for node in nodes:  # reserved in the view before any await: our other commits skip them
+            self.view.set_lease(node, lease, t)
         results = await asyncio.gather(*(self.leases.create(node, lease) for node in nodes))
         held = {node: rev for node, rev in zip(nodes, results, strict=True) if rev is not None}
-        for node in nodes:
-            self.view.set_lease(node, lease, t)  # taken, by us or by someone else
         if len(held) != len(nodes):
             CONFLICTS.labels("lease").inc()
             lost = [node for node in nodes if node not in held]
@@ -528,8 +551,16 @@ class Placer:
         await self._event(job, reason, job.status.epoch, message)
 
     async def _event(self, job: Job, kind: str, epoch: int, message: str) -> None:
+        """Publish a job event in the background: the KV record is the truth, and nobody waits
+        on the event's acknowledgement (a lost event is logged)."""
         event = JobEvent(gang=job.key, kind=kind, epoch=epoch, message=message, time=now())
-        try:
-            await self.bus.publish(names.job_event(job.key, kind.lower()), event)
-        except Exception as error:  # the KV record is the truth; a lost event is logged
-            log.warning("event %s for %s not published: %s", kind, job.key, error)
+
+        async def publish() -> None:
+            try:
+                await self.bus.publish(names.job_event(job.key, kind.lower()), event)
+            except Exception as error:
+                log.warning("event %s for %s not published: %s", kind, job.key, error)
+
+        task = asyncio.create_task(publish())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

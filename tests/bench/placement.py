@@ -74,7 +74,7 @@ from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.jobs import ConditionType, Job, Phase
 from services.placer.config import PlacerConfig, load_config
-from services.placer.planner import Exclusions, Planner
+from services.placer.planner import Candidates, Exclusions, Planner
 from tests.factories import job as make_job
 from tests.factories import machine as make_machine
 from tests.factories import node_record
@@ -882,19 +882,19 @@ def planner_only(config: PlacerConfig, fleet: list[NodeRecord], jobs: list[Job])
     """The CPU floor of the decisions: the placer's own Planner over the same fleet and jobs,
     in this process, serially, no bus (taken machines leave the free view as leases would)."""
     planner = Planner(config)
-    free = {r.inventory.node: r for r in fleet}
+    free = Candidates(fleet)  # the placer's own index of free machines
     times: list[float] = []
     outcomes: Counter[str] = Counter()
     for job in jobs:
         t0 = time.perf_counter()
-        plan, _ = planner.plan(job, free.values(), Exclusions())
+        plan, _ = planner.plan(job, free, Exclusions())
         times.append(time.perf_counter() - t0)
         if plan is None:
             outcomes["unschedulable"] += 1
             continue
         outcomes[plan.path.value] += 1
         for node in plan.nodes:
-            free.pop(node, None)
+            free.remove(node)
     total = sum(times)
     return {
         "plan_ms": dist_ms(times),

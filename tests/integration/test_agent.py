@@ -1,0 +1,120 @@
+"""The agent on a real bus: registration with inventory, version and capabilities (T1, C6),
+heartbeats, requests addressed to its node (C1), and joining an epoch with a single-use key (G9)."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.bus import Bus
+from libs.client.client import Client
+from libs.contracts import names
+from libs.contracts.api import NodeInfoReply, NodeInfoRequest
+from libs.contracts.base import now
+from libs.contracts.epochs import Epoch, JoinKeyGrant, JoinRedemption
+from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.fleet import NodeHealth, NodeRecord
+from libs.contracts.jobs import Phase
+from services.agent.agent import Agent, JoinedReply
+from tests.conftest import StartPlacer, eventually
+from tests.factories import job, machine
+
+
+@pytest.fixture
+async def agents(bus: Bus) -> list[Agent]:
+    started = [
+        Agent(bus, machine("aws-a", address="10.0.0.1"), heartbeat_seconds=0.1),
+        Agent(
+            bus, machine("vast-a", offering="container", address="10.0.0.2"), heartbeat_seconds=0.1
+        ),
+    ]
+    for agent in started:
+        await agent.start()
+    yield started  # type: ignore[misc]
+    for agent in started:
+        await agent.stop()
+
+
+async def test_agents_register_inventory_version_and_capabilities(
+    bus: Bus, agents: list[Agent]
+) -> None:
+    records = await bus.bucket(names.BUCKET_NODES, NodeRecord).snapshot()
+    assert set(records) == {"aws-a", "vast-a"}
+    vm, container = records["aws-a"].value, records["vast-a"].value
+    assert vm.agent_version == container.agent_version == "0.1.0"
+    assert (
+        "wireguard-device" in vm.capabilities and "wireguard-device" not in container.capabilities
+    )
+    assert "join-epoch" in container.capabilities
+    assert vm.inventory.accelerators.devices[0].name == "CUDA0"
+    assert vm.inventory.network_namespace  # C4 needs it
+    health = bus.bucket(names.BUCKET_HEALTH, NodeHealth)
+    first = await health.get("aws-a")
+    assert first is not None
+
+    async def beat_again() -> bool:
+        later = await health.get("aws-a")
+        return later is not None and later.value.heartbeat_time > first.value.heartbeat_time
+
+    await eventually(beat_again, timeout=5)
+
+
+async def test_requests_reach_the_named_node_and_a_missing_agent_is_an_error(
+    bus: Bus, agents: list[Agent]
+) -> None:
+    reply = await bus.request(
+        names.node_request("vast-a", "info"), NodeInfoRequest(), NodeInfoReply
+    )
+    assert reply.node.inventory.node == "vast-a"
+    await agents[1].stop()
+    with pytest.raises(NodusError) as missing:
+        await bus.request(
+            names.node_request("no-such-node", "info"), NodeInfoRequest(), NodeInfoReply
+        )
+    assert missing.value.code is ErrorCode.NO_RESPONDERS
+
+
+async def test_agents_join_their_epoch_once(
+    bus: Bus, agents: list[Agent], start_placer: StartPlacer
+) -> None:
+    await start_placer()
+    client = Client(bus)
+    await client.apply(job("rl", org="acme", distributed={"members": 2, "transport": "Auto"}))
+    placed = await client.get_job("rl")
+
+    async def joined_both() -> bool:
+        replies = [
+            await bus.request(names.node_request(n, "epochs"), NodeInfoRequest(), JoinedReply)
+            for n in ("aws-a", "vast-a")
+        ]
+        return all(len(r.epochs) == 1 for r in replies)
+
+    await eventually(joined_both)
+    placed = await client.get_job("rl")
+    assert placed.status.phase is Phase.PLACED
+    redeemed = await bus.bucket(names.BUCKET_REDEEMED, JoinRedemption).snapshot()
+    assert {r.value.node for r in redeemed.values()} == {"aws-a", "vast-a"}
+    # Replaying a used key: the agent refuses it (single use).
+    grants = bus.bucket(names.BUCKET_JOINKEYS, JoinKeyGrant)
+    key = names.joinkey_key("aws-a", "acme.rl", 1)
+    grant = await grants.get(key)
+    assert grant is not None
+    agent = agents[0]
+    with pytest.raises(NodusError) as replay:
+        await agent._join(grant.value)
+    assert replay.value.code is ErrorCode.CONFLICT and "already used" in replay.value.message
+    # After delete the epoch is fenced: the agent leaves it, and its key is refused.
+    await client.delete("rl")
+
+    async def left() -> bool:
+        reply = await bus.request(
+            names.node_request("aws-a", "epochs"), NodeInfoRequest(), JoinedReply
+        )
+        return not reply.epochs
+
+    await eventually(left)
+    epoch = await bus.bucket(names.BUCKET_EPOCHS, Epoch).get(names.epoch_key("acme.rl", 1))
+    assert epoch is not None and epoch.value.fenced
+    with pytest.raises(NodusError) as fenced:
+        await agent._join(grant.value)
+    assert fenced.value.code is ErrorCode.STALE_EPOCH
+    assert now() < epoch.value.join_keys_expire_time

@@ -1,0 +1,72 @@
+"""Two placer replicas side by side: 50 jobs submitted at once are each placed exactly once and
+no machine ends up in two gangs (compare-and-set leases and epochs)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from libs.bus import Bus
+from libs.bus.server import NatsServer
+from libs.client.client import Client
+from libs.contracts import names
+from libs.contracts.epochs import Epoch, Lease
+from libs.contracts.jobs import Job, Phase
+from tests.conftest import StartPlacer, eventually
+from tests.factories import job, machine, node_record, register
+
+
+async def test_two_placers_and_fifty_jobs_place_each_job_once(
+    bus: Bus, nats_server: NatsServer, start_placer: StartPlacer
+) -> None:
+    # 120 machines in 3 regions; 50 jobs of 2 members need 100 of them.
+    fleet = [
+        machine(
+            f"m{i:03d}",
+            provider=["aws", "gcp", "lambda"][i % 3],
+            region=["r1", "r2", "r3"][i % 3],
+            address=f"10.{i // 250}.{i % 250}.1",
+        )
+        for i in range(120)
+    ]
+    await register(bus, [node_record(m) for m in fleet])
+    placers = [await start_placer(replica="placer-a"), await start_placer(replica="placer-b")]
+    assert len(placers) == 2
+    clients = [Client(bus), await Client.connect(nats_server.url)]
+    try:
+        jobs = [
+            job(f"j{i:02d}", distributed={"members": 2, "network": "Colocated"}) for i in range(50)
+        ]
+        replies = await asyncio.gather(*(clients[i % 2].apply(j) for i, j in enumerate(jobs)))
+        assert all(reply.created for reply in replies)
+        bucket = bus.bucket(names.BUCKET_JOBS, Job)
+
+        async def all_placed() -> bool:
+            records = await bucket.snapshot()
+            return len(records) == 50 and all(
+                r.value.status.phase is Phase.PLACED for r in records.values()
+            )
+
+        await eventually(all_placed, timeout=30)
+        records = {k: v.value for k, v in (await bucket.snapshot()).items()}
+        # Each job placed once: epoch 1, one epoch record per job.
+        assert {j.status.epoch for j in records.values()} == {1}
+        epochs = await bus.bucket(names.BUCKET_EPOCHS, Epoch).snapshot()
+        assert sorted(epochs) == sorted(f"{key}.1" for key in records)
+        # No machine in two gangs: across job statuses and across leases.
+        members = Counter(
+            m.node for j in records.values() if j.status.gang for m in j.status.gang.members
+        )
+        assert len(members) == 100 and set(members.values()) == {1}
+        leases = await bus.bucket(names.BUCKET_LEASES, Lease).snapshot()
+        assert {node: lease.value.gang for node, lease in leases.items()} == {
+            m.node: key
+            for key, j in records.items()
+            if j.status.gang
+            for m in j.status.gang.members
+        }
+        # Both replicas did real work.
+        placed_by = Counter(j.status.placed_by for j in records.values())
+        assert set(placed_by) == {"placer-a", "placer-b"}, placed_by
+    finally:
+        await clients[1].close()
