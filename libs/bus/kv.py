@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+import nats.errors
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
@@ -109,22 +110,35 @@ class Bucket(Generic[T]):
                 return Versioned(key, new, revision)
         raise NodusError(ErrorCode.CONFLICT, f"{self.name}/{key}: too many concurrent writers")
 
+    async def _matches_anything(self, keys: str) -> bool:
+        """Does any key (live or deleted) match? nats-py's end-of-initial-values marker can
+        arrive before an in-flight first value, so emptiness is asked of the stream instead."""
+        info = await self._kv._js.stream_info(
+            f"KV_{self.name}", subjects_filter=f"$KV.{self.name}.{keys}"
+        )
+        return bool(info.state.subjects)
+
     async def snapshot(self, keys: str = ">") -> dict[str, Versioned[T]]:
         """Every live key matching `keys`, read in one ordered pass."""
         result: dict[str, Versioned[T]] = {}
-        watcher = await self._kv.watch(keys, ignore_deletes=True)
+        if not await self._matches_anything(keys):
+            return result
+        watcher = await self._kv.watch(keys)
         try:
             while True:
-                entry = await watcher.updates(timeout=10.0)
+                entry = await watcher.updates(timeout=5.0)
                 if entry is None:
-                    break
-                value = self._decode_or_skip(entry.key, entry.value) if entry.value else None
-                if value is not None:
-                    result[entry.key] = Versioned(entry.key, value, entry.revision or 0)
+                    continue  # see _matches_anything: the last value tells instead
+                if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                    result.pop(entry.key, None)
+                else:
+                    value = self._decode_or_skip(entry.key, entry.value)
+                    if value is not None:
+                        result[entry.key] = Versioned(entry.key, value, entry.revision or 0)
                 if entry.delta == 0:
                     break
-        except NoKeysError:
-            pass
+        except nats.errors.TimeoutError:
+            log.warning("snapshot of %s/%s ended by timeout", self.name, keys)
         finally:
             await watcher.stop()
         return result
@@ -134,19 +148,20 @@ class Bucket(Generic[T]):
     ) -> AsyncIterator[Change[T]]:
         """Current values, then every change in order; a delete arrives with value None.
         `caught_up` is set once the current values have all been delivered."""
+        expect_values = caught_up is not None and await self._matches_anything(keys)
         watcher = await self._kv.watch(keys, include_history=history)
         try:
             async for entry in watcher:
-                if entry is None:  # nats-py's marker: the initial values are all delivered
-                    if caught_up is not None:
+                if entry is None:  # nats-py's marker: trusted only when nothing matched
+                    if caught_up is not None and not expect_values:
                         caught_up.set()
                     continue
                 if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
                     yield Change(entry.key, None, entry.revision or 0)
-                    continue
-                value = self._decode_or_skip(entry.key, entry.value)
-                if value is not None:
-                    yield Change(entry.key, value, entry.revision or 0)
+                else:
+                    value = self._decode_or_skip(entry.key, entry.value)
+                    if value is not None:
+                        yield Change(entry.key, value, entry.revision or 0)
                 if caught_up is not None and not caught_up.is_set() and entry.delta == 0:
                     caught_up.set()
         finally:

@@ -3,6 +3,8 @@ heartbeats, requests addressed to its node (C1), and joining an epoch with a sin
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import pytest
 
 from libs.bus import Bus
@@ -20,7 +22,7 @@ from tests.factories import job, machine
 
 
 @pytest.fixture
-async def agents(bus: Bus) -> list[Agent]:
+async def agents(bus: Bus) -> AsyncIterator[list[Agent]]:
     started = [
         Agent(bus, machine("aws-a", address="10.0.0.1"), heartbeat_seconds=0.1),
         Agent(
@@ -29,7 +31,7 @@ async def agents(bus: Bus) -> list[Agent]:
     ]
     for agent in started:
         await agent.start()
-    yield started  # type: ignore[misc]
+    yield started
     for agent in started:
         await agent.stop()
 

@@ -1,0 +1,28 @@
+"""`nodus demo` is the main job end to end: it must finish with exit 0 and show what it claims."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_places_one_gang_per_path_and_shows_refusals() -> None:
+    nodus = str(Path(sys.executable).parent / "nodus")
+    result = subprocess.run([nodus, "demo"], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "3 gangs placed (direct, private, relayed)" in out
+    for reason in (
+        "DistributedAccessDenied",
+        "LdPreloadWithAuto",
+        "RelayedMemberLimit",
+        "BackendMismatch",
+    ):
+        assert reason in out
+    assert "NODUS_GANG_TRANSPORT=relayed" in out and "LD_PRELOAD=" in out
+    assert "stopped everything" in out
