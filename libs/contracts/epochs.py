@@ -69,6 +69,7 @@ class Lease(Record):
     gang: str
     epoch: int
     placer: str
+    created_time: datetime | None = None
 
 
 class AddressClaim(Record):

@@ -9,7 +9,7 @@ import uuid
 
 from prometheus_client import Counter, Gauge
 
-from libs.bus import Bus, Endpoint
+from libs.bus import Bus, Endpoint, EpochGuard
 from libs.contracts import names
 from libs.contracts.api import NodeInfoReply, NodeInfoRequest
 from libs.contracts.base import Record, now
@@ -57,6 +57,7 @@ class Agent:
         self.joinkeys = bus.bucket(names.BUCKET_JOINKEYS, JoinKeyGrant)
         self.redeemed = bus.bucket(names.BUCKET_REDEEMED, JoinRedemption)
         self.joined: dict[str, JoinedEpoch] = {}  # joinkey key -> membership
+        self.guard = EpochGuard()  # the newest epoch joined per gang (C2)
         self._tasks: list[asyncio.Task[None]] = []
 
     def record(self) -> NodeRecord:
@@ -139,6 +140,12 @@ class Agent:
         """Verify the key against the persisted epoch, then use it once."""
         t = now()
         claims = verify_join_key(grant.token, grant.verify_key, t)
+        current = self.guard.current(claims.gang)
+        if current is not None and claims.epoch < current:
+            raise NodusError(
+                ErrorCode.STALE_EPOCH,
+                f"{claims.gang}: join key for epoch {claims.epoch}, this node is on epoch {current}",
+            )
         if claims.node != self.node:
             raise NodusError(
                 ErrorCode.INVALID, f"join key names node {claims.node}, not {self.node}"
@@ -169,6 +176,7 @@ class Agent:
                 ErrorCode.CONFLICT,
                 f"join key for {claims.gang} epoch {claims.epoch} was already used",
             )
+        self.guard.advance(claims.gang, claims.epoch)
         return JoinedEpoch(
             gang=claims.gang, epoch=claims.epoch, rank=member.rank, address=member.address
         )

@@ -13,7 +13,7 @@ from typing import Literal
 import msgspec
 from prometheus_client import Counter, Gauge, Histogram
 
-from libs.bus import Bus, Endpoint, Versioned
+from libs.bus import Bus, Endpoint, Versioned, check_plan_generations
 from libs.contracts import names
 from libs.contracts.api import ApplyReply, ApplyRequest, DeleteReply, DeleteRequest
 from libs.contracts.base import now
@@ -62,6 +62,9 @@ PLACE_SECONDS = Histogram(
 )
 FREE_NODES = Gauge("nodus_placer_free_nodes", "Live, healthy machines no gang holds")
 WAITING_JOBS = Gauge("nodus_placer_waiting_jobs", "Admitted jobs waiting for capacity")
+
+STALE_SWEEP_TICKS = 15  # seconds between stale-lease sweeps
+STALE_LEASE_SECONDS = 30.0  # a commit never takes this long; older orphans are freed
 
 RELAYED_WARNING = (
     "Relayed is assumed 4x slower than Direct until its qualification benchmark publishes "
@@ -234,12 +237,38 @@ class Placer:
             )
 
     async def _sweeper(self) -> None:
+        ticks = 0
         while True:
             await asyncio.sleep(1.0)
+            ticks += 1
             if self.view.sweep(now()):
                 self._capacity_changed()
             FREE_NODES.set(len(self.view.free))
             WAITING_JOBS.set(len(self._waiting))
+            if ticks % STALE_SWEEP_TICKS == 0:
+                try:
+                    await self.release_stale_leases()
+                except Exception as error:  # the next sweep tries again
+                    log.warning("stale lease sweep failed: %s", error)
+
+    async def release_stale_leases(self, grace_seconds: float = STALE_LEASE_SECONDS) -> int:
+        """Reconcile leases with epochs: a lease whose epoch was never persisted (a placer died
+        mid-commit) or is fenced frees its machine once it is older than the grace period."""
+        t = now()
+        epochs = await self.epochs.snapshot()
+        released = 0
+        for node, lease in (await self.leases.snapshot()).items():
+            held = lease.value
+            epoch = epochs.get(names.epoch_key(held.gang, held.epoch))
+            if epoch is not None and not epoch.value.fenced:
+                continue
+            age = (t - held.created_time).total_seconds() if held.created_time else grace_seconds
+            if age < grace_seconds:
+                continue
+            if await self.leases.delete(node, lease.revision):
+                released += 1
+                log.info("released stale lease on %s (%s epoch %d)", node, held.gang, held.epoch)
+        return released
 
     def _capacity_changed(self) -> None:
         for key in list(self._waiting):
@@ -322,7 +351,7 @@ class Placer:
         if problems:  # the planner's own invariants: never commit a plan that breaks them
             raise NodusError(ErrorCode.INTERNAL, f"plan for {gang} breaks {problems}")
         t = now()
-        lease = Lease(gang=gang, epoch=epoch, placer=self.replica)
+        lease = Lease(gang=gang, epoch=epoch, placer=self.replica, created_time=t)
         held = await self._acquire_leases(plan.nodes, lease, t)
         claimed: list[tuple[str, int]] = []
         try:
@@ -375,12 +404,23 @@ class Placer:
         )
         status = self._placed_status(job.status, plan, epoch, t)
         placed = msgspec.structs.replace(job, status=status)
+        ranktable = self._ranktable(placed, record)
+        # C2: every part of the plan names one generation, checked before the job says Placed.
+        check_plan_generations(
+            gang,
+            [
+                ("epoch", record.epoch),
+                ("lease", lease.epoch),
+                ("job", status.epoch),
+                ("ranktable", ranktable.epoch),
+            ],
+        )
         if await self.jobs.update(gang, placed, current.revision) is None:
             # Deleted or changed under us: undo this epoch entirely.
             CONFLICTS.labels("job").inc()
             await self._teardown(gang, epoch)
             raise _Retry
-        await self.ranktables.put(gang, self._ranktable(placed, record))
+        await self.ranktables.put(gang, ranktable)
         await self._event(
             placed, "placed", epoch, f"placed on {', '.join(plan.nodes)} ({plan.path.value})"
         )
