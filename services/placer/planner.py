@@ -153,11 +153,12 @@ Shape = tuple[str, str]  # (backend, model)
 
 
 class Candidates:
-    """Machines indexed for planning: by accelerator shape, and private networks by shape."""
+    """Machines indexed for planning: by accelerator shape, and private networks by backend."""
 
     def __init__(self, records: Iterable[NodeRecord] = ()) -> None:
         self.by_shape: dict[Shape, dict[str, NodeRecord]] = {}
-        self.private: dict[Shape, dict[tuple[str, str, str], dict[str, NodeRecord]]] = {}
+        # Private networks by backend (a gang has one backend; models may mix when not asked).
+        self.private: dict[str, dict[tuple[str, str, str], dict[str, NodeRecord]]] = {}
         self.facts: dict[str, Facts] = {}
         self._where: dict[str, tuple[Shape, tuple[str, str, str] | None]] = {}
         for record in records:
@@ -179,7 +180,7 @@ class Candidates:
         network = None
         if facts.private_usable and inv.private_network:
             network = (inv.provider, inv.region, inv.private_network)
-            self.private.setdefault(shape, {}).setdefault(network, {})[inv.node] = record
+            self.private.setdefault(shape[0], {}).setdefault(network, {})[inv.node] = record
         self._where[inv.node] = (shape, network)
 
     def remove(self, node: str) -> None:
@@ -194,12 +195,12 @@ class Candidates:
             if not bucket:
                 del self.by_shape[shape]
         if network is not None:
-            groups = self.private[shape]
+            groups = self.private[shape[0]]
             groups[network].pop(node, None)
             if not groups[network]:
                 del groups[network]
             if not groups:
-                del self.private[shape]
+                del self.private[shape[0]]
 
     def shapes(self, job: Job) -> list[Shape]:
         want = job.spec.accelerators
@@ -340,8 +341,8 @@ class Planner:
     ) -> Iterator[NodeRecord]:
         shapes = candidates.shapes(job)
         if path is PathClass.PRIVATE:
-            for shape in shapes:
-                for group in candidates.private.get(shape, {}).values():
+            for backend in dict.fromkeys(shape[0] for shape in shapes):
+                for group in candidates.private.get(backend, {}).values():
                     if len(group) >= job.spec.distributed.members:
                         yield from group.values()
         else:
@@ -588,6 +589,8 @@ def check_plan(plan: Plan, records: dict[str, NodeRecord], job: Job) -> list[str
         problem = address_problem(member.address)
         if problem:
             problems.append(f"rank {member.rank}: {problem} (C4)")
+    if len({ip_family(a) for a in addresses}) > 1:
+        problems.append(f"advertised addresses {addresses} mix IP families (C4)")
     if any(is_loopback(a) for a in addresses):
         namespaces = {inv.network_namespace for inv in inventories}
         if len(namespaces) != 1 or "" in namespaces:

@@ -830,3 +830,26 @@ def test_check_plan_flags_direct_addresses_outside_the_mesh_and_foreign_addresse
         (PlannedMember(0, "c", "10.9.9.9", "eth0"), PlannedMember(1, "d", "10.0.0.4", "eth0")),
     )
     assert any("own" in p for p in check_plan(foreign, _records(c, d), auto()))
+
+
+def test_a_private_gang_may_mix_models_when_the_job_names_none() -> None:
+    # Found by the no-false-unschedulable property: the private index must not split by model.
+    records = [
+        vm("h100", "10.0.0.1", privateNetwork="vpc-a", privateAddress="172.16.0.1", caps=VM_CAPS),
+        vm(
+            "a100",
+            "10.0.0.2",
+            privateNetwork="vpc-a",
+            privateAddress="172.16.0.2",
+            caps=VM_CAPS,
+            accelerators={"count": 8, "backend": "cuda", "model": "A100"},
+        ),
+    ]
+    plan, _ = Planner(config()).plan(
+        job(distributed={"members": 2, "network": "Colocated"}), records
+    )
+    assert plan is not None and plan.path is PathClass.PRIVATE
+    assert sorted(plan.nodes) == ["a100", "h100"]
+    model_bound = job(accelerators={"model": "H100"}, distributed={"members": 2})
+    plan, _ = Planner(config()).plan(model_bound, records)
+    assert plan is None

@@ -25,7 +25,11 @@ from services.placer.environment import rank_environments
 from services.placer.planner import Exclusions, Planner, check_plan
 from tests.factories import job, machine, node_record
 
-SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=int(__import__("os").environ.get("NODUS_PROPERTY_EXAMPLES", "200")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 # A provider region belongs to one region class.
 REGIONS = {"us-east-1": "us", "us-west-2": "us", "eu-west-1": "eu"}
@@ -256,6 +260,9 @@ def valid_gang(
     if not all(routable(a) for a in addresses) or len(set(addresses)) != len(addresses):
         return False
     if any(a in excluded.addresses for a in addresses):
+        return False
+    # ... of one IP family, so every rank's NCCL_SOCKET_FAMILY reaches every peer ...
+    if len({ipaddress.ip_address(a).version for a in addresses}) != 1:
         return False
     # ... and loopback only when the whole gang sits in one known network namespace. (A gang
     # mixing loopback and other addresses is read conservatively as invalid.)
