@@ -166,6 +166,9 @@ def _age(when: datetime | None) -> str:
     return f"{seconds // 3600}h"
 
 
+JOB_COLUMNS = ["NAME", "ORG", "PHASE", "EPOCH", "TRANSPORT", "MEMBERS", "NODES", "REASON", "AGE"]
+
+
 def _job_row(job: Any) -> list[str]:
     from libs.contracts.jobs import ConditionType
 
@@ -202,22 +205,7 @@ async def _get(args: argparse.Namespace) -> int:
             if args.output in ("json", "yaml") or args.output.startswith("jsonpath="):
                 print(render_one([job_document(j) for j in jobs]))
             else:
-                print(
-                    table(
-                        [
-                            "NAME",
-                            "ORG",
-                            "PHASE",
-                            "EPOCH",
-                            "TRANSPORT",
-                            "MEMBERS",
-                            "NODES",
-                            "REASON",
-                            "AGE",
-                        ],
-                        [_job_row(j) for j in jobs],
-                    )
-                )
+                print(table(JOB_COLUMNS, [_job_row(j) for j in jobs]))
             return 0
         if args.kind == "job":
             if args.watch:
@@ -231,22 +219,7 @@ async def _get(args: argparse.Namespace) -> int:
             if args.output:
                 print(render_one(job_document(job)))
             else:
-                print(
-                    table(
-                        [
-                            "NAME",
-                            "ORG",
-                            "PHASE",
-                            "EPOCH",
-                            "TRANSPORT",
-                            "MEMBERS",
-                            "NODES",
-                            "REASON",
-                            "AGE",
-                        ],
-                        [_job_row(job)],
-                    )
-                )
+                print(table(JOB_COLUMNS, [_job_row(job)]))
             return 0
         if args.kind in ("nodes", "node"):
             nodes = await client.list_nodes()

@@ -190,19 +190,22 @@ class Placer:
 
     async def delete(self, request: DeleteRequest) -> DeleteReply:
         key = f"{request.org}.{request.name}"
-        current = await self.jobs.get(key)
-        if current is None:
-            raise NodusError(
-                ErrorCode.NOT_FOUND, f"job {request.name} (org {request.org}) does not exist"
-            )
-        job = current.value
-        # Fence the epoch first (G9), then free what it held, then forget the job.
-        if job.status.epoch:
-            await self._teardown(job.key, job.status.epoch)
-        await self.jobs.delete(key)
-        self._waiting.discard(key)
-        await self._event(job, "deleted", job.status.epoch, "deleted by request")
-        return DeleteReply(deleted=True)
+        for _ in range(self.config.max_attempts):
+            current = await self.jobs.get(key)
+            if current is None:
+                raise NodusError(
+                    ErrorCode.NOT_FOUND, f"job {request.name} (org {request.org}) does not exist"
+                )
+            job = current.value
+            # Fence the epoch first (G9), then free what it held, then forget the job, unless
+            # a placement landed meanwhile: then its new epoch is torn down on the next pass.
+            if job.status.epoch:
+                await self._teardown(job.key, job.status.epoch)
+            if await self.jobs.delete(key, current.revision):
+                self._waiting.discard(key)
+                await self._event(job, "deleted", job.status.epoch, "deleted by request")
+                return DeleteReply(deleted=True)
+        raise NodusError(ErrorCode.CONFLICT, f"job {key} kept changing while being deleted; retry")
 
     # -- watches -------------------------------------------------------------------------------
 
@@ -252,15 +255,19 @@ class Placer:
                     log.warning("stale lease sweep failed: %s", error)
 
     async def release_stale_leases(self, grace_seconds: float = STALE_LEASE_SECONDS) -> int:
-        """Reconcile leases with epochs: a lease whose epoch was never persisted (a placer died
-        mid-commit) or is fenced frees its machine once it is older than the grace period."""
+        """Reconcile leases with epochs and jobs: a lease whose epoch was never persisted (a
+        placer died mid-commit), is fenced, or is not its job's current epoch frees its machine
+        once it is older than the grace period (a commit in flight is younger)."""
         t = now()
         epochs = await self.epochs.snapshot()
+        jobs = await self.jobs.snapshot()
         released = 0
         for node, lease in (await self.leases.snapshot()).items():
             held = lease.value
             epoch = epochs.get(names.epoch_key(held.gang, held.epoch))
-            if epoch is not None and not epoch.value.fenced:
+            job = jobs.get(held.gang)
+            current = job is not None and job.value.status.epoch == held.epoch
+            if epoch is not None and not epoch.value.fenced and current:
                 continue
             age = (t - held.created_time).total_seconds() if held.created_time else grace_seconds
             if age < grace_seconds:
