@@ -4,7 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast lint bench clean system-deps
+
+system-deps:
+	./deploy/dev/system-deps.sh
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,10 +15,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: system-deps $(STAMP)
 	$(BIN)/nodus demo
 
-test: $(STAMP)
+test: system-deps $(STAMP)
 	$(BIN)/pytest -q
 
 test-fast: $(STAMP)

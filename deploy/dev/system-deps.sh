@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Debian packages the tests and the demo use (real programs, not stand-ins). Installs only
+# what is missing; needs root (CI and these dev machines run as root) or passwordless sudo.
+set -euo pipefail
+
+# package:command-that-proves-it-is-there
+WANTED=(
+  "gcc:gcc"
+  "make:make"
+  "curl:curl"
+  "iproute2:ip"
+)
+
+missing=()
+for entry in "${WANTED[@]}"; do
+  package=${entry%%:*}
+  command=${entry#*:}
+  if ! command -v "$command" >/dev/null 2>&1 && ! dpkg -s "$package" >/dev/null 2>&1; then
+    missing+=("$package")
+  fi
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; else
+    echo "system-deps: need root to install: ${missing[*]}" >&2; exit 1
+  fi
+fi
+echo "system-deps: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq >/dev/null
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
