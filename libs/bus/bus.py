@@ -21,7 +21,7 @@ from libs.bus.connection import connect, jetstream
 from libs.bus.kv import Bucket
 from libs.contracts.base import decode, encode
 from libs.contracts.errors import ErrorCode, ErrorReply, NodusError
-from libs.contracts.names import EVENTS_STREAM, EVENTS_SUBJECTS
+from libs.contracts.names import EVENTS_STREAM, EVENTS_SUBJECTS, USAGE_STREAM, USAGE_SUBJECTS
 
 log = logging.getLogger("nodus.bus")
 
@@ -62,6 +62,7 @@ class Bus:
         try:
             if streams:
                 await bus.ensure_stream(EVENTS_STREAM, EVENTS_SUBJECTS)
+                await bus.ensure_stream(USAGE_STREAM, USAGE_SUBJECTS)
             for bucket in buckets or []:
                 await bus.ensure_bucket(bucket)
         except BaseException:

@@ -86,9 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from services.agent.main import build_parser as agent_parser
     from services.placer.main import build_parser as placer_parser
+    from services.relay.main import build_parser as relay_parser
 
     placer_parser(sub.add_parser("placer", help="daemon: admission and placement"))
     agent_parser(sub.add_parser("agent", help="daemon: the per-machine agent"))
+    relay_parser(sub.add_parser("relay", help="daemon: a relay for Relayed gangs"))
     return parser
 
 
@@ -102,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.agent.main import run as run_agent
 
         return run_agent(args)
+    if args.command == "relay":
+        from services.relay.main import run as run_relay
+
+        return run_relay(args)
     if args.command == "schema":
         return _schema(args)
     commands: dict[str, CommandBody] = {

@@ -24,6 +24,8 @@ BUCKET_EPOCHS = "nodus-epochs"  # org.name.epoch -> Epoch
 BUCKET_JOINKEYS = "nodus-joinkeys"  # node.org.name.epoch -> JoinKeyGrant; used.nonce -> node
 BUCKET_RANKTABLES = "nodus-ranktables"  # org.name -> Ranktable; the bucket is the global one
 BUCKET_REDEEMED = "nodus-redeemed"  # node.nonce -> JoinRedemption: a join key is used once
+BUCKET_MEMBERS = "nodus-members"  # org.name.epoch.node -> Member (the node's WireGuard key)
+BUCKET_RELAYS = "nodus-relays"  # relay name -> RelayRecord
 
 ALL_BUCKETS = [
     BUCKET_JOBS,
@@ -35,7 +37,21 @@ ALL_BUCKETS = [
     BUCKET_JOINKEYS,
     BUCKET_RANKTABLES,
     BUCKET_REDEEMED,
+    BUCKET_MEMBERS,
+    BUCKET_RELAYS,
 ]
+
+# Usage stream: bytes members sent through relays, de-duplicated by message id (G17).
+USAGE_STREAM = "NODUS_USAGE"
+USAGE_SUBJECTS = ["nodus.usage.>"]
+
+
+def usage_subject(relay: str, gang: str) -> str:
+    return f"nodus.usage.{relay}.{gang}"
+
+
+def member_key(gang: str, epoch: int, node: str) -> str:
+    return f"{gang}.{epoch}.{node}"
 
 
 def node_request(node: str, verb: str) -> str:

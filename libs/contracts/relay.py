@@ -1,0 +1,47 @@
+"""Records of the Relayed dataplane: members' WireGuard keys, relays, and usage for billing."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from libs.contracts.base import Name, Record
+
+
+class Member(Record):
+    """Written once per (gang, epoch, node) when the node redeems its join key: binds the
+    node's WireGuard public key to the epoch. Relays admit only keys recorded here (S2)."""
+
+    gang: str
+    epoch: int
+    node: Name
+    rank: int
+    address: str  # advertised (G7)
+    wg_public_key: str  # base64, WireGuard's format
+    joined_time: datetime
+
+
+class RelayRecord(Record):
+    """A relay announces itself (C6): where members dial it and the key they prove theirs to."""
+
+    name: Name
+    region: Name
+    address: str  # host:port members and mesh peers dial
+    public_key: str  # base64 X25519: members prove possession of their WireGuard key with it
+    version: str
+    capabilities: list[str]
+    heartbeat_time: datetime
+
+
+class UsageRecord(Record):
+    """Bytes one member sent through one relay in one interval; published with the id
+    `relay:boot:gang:epoch:node:seq` so a retried flush lands once (G17)."""
+
+    relay: str
+    boot: str
+    gang: str
+    epoch: int
+    node: Name
+    seq: int
+    bytes_sent: int
+    start_time: datetime
+    end_time: datetime

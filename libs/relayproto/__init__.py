@@ -1,0 +1,52 @@
+"""The relay wire protocol, sans-I/O: length-prefixed frames between members and relays and
+between meshed relays, and the proofs that authenticate both."""
+
+from libs.relayproto.auth import member_proof, mesh_proof, x25519_public
+from libs.relayproto.frames import (
+    MAX_FRAME,
+    Absent,
+    Challenge,
+    ErrorFrame,
+    Forward,
+    Frame,
+    FrameDecoder,
+    FrameError,
+    Hello,
+    Home,
+    MeshHello,
+    Ping,
+    Pong,
+    PresenceDump,
+    Present,
+    Recv,
+    Send,
+    Welcome,
+    encode,
+    wireguard_type,
+)
+
+__all__ = [
+    "MAX_FRAME",
+    "Absent",
+    "Challenge",
+    "ErrorFrame",
+    "Forward",
+    "Frame",
+    "FrameDecoder",
+    "FrameError",
+    "Hello",
+    "Home",
+    "MeshHello",
+    "Ping",
+    "Pong",
+    "PresenceDump",
+    "Present",
+    "Recv",
+    "Send",
+    "Welcome",
+    "encode",
+    "member_proof",
+    "mesh_proof",
+    "wireguard_type",
+    "x25519_public",
+]

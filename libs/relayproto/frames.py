@@ -1,0 +1,303 @@
+"""Frames: `u32 length | u8 type | body`, length counting type and body, big-endian.
+
+Member <-> relay:  Challenge (relay first), Hello, Welcome, Send, Recv, Ping, Pong, ErrorFrame.
+Relay <-> relay:   Challenge, MeshHello, PresenceDump, Present, Absent, Forward, Ping, Pong.
+The only payload a relay carries between members is a WireGuard message (types 1-4, G16).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+MAX_FRAME = 1 << 17  # 128 KiB: a WireGuard message of up to 64 KiB plus headers
+KEY = 32
+
+_LEN = struct.Struct(">I")
+_U16 = struct.Struct(">H")
+_U64 = struct.Struct(">Q")
+
+
+class FrameError(ValueError):
+    """Malformed input: the connection that sent it is dropped and the drop counted (S3)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    relay_key: bytes  # the relay's X25519 public key
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    gang: str
+    epoch: int
+    node: str
+    wg_key: bytes
+    proof: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    relay: str
+    region: str
+    member_rate_bps: int
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    dst: bytes
+    message: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Recv:
+    src: bytes
+    message: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorFrame:
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Home:
+    """Member -> relay: "I send through you now"; `failover` when its previous relay was lost."""
+
+    failover: bool
+
+
+@dataclass(frozen=True, slots=True)
+class MeshHello:
+    name: str
+    proof: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Present:
+    key: bytes
+    gang: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class PresenceDump:
+    entries: tuple[Present, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Absent:
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    src: bytes
+    dst: bytes
+    message: bytes
+
+
+Frame = (
+    Challenge
+    | Hello
+    | Welcome
+    | Send
+    | Recv
+    | Ping
+    | Pong
+    | ErrorFrame
+    | Home
+    | MeshHello
+    | Present
+    | PresenceDump
+    | Absent
+    | Forward
+)
+
+T_CHALLENGE, T_HELLO, T_WELCOME, T_SEND, T_RECV, T_PING, T_PONG, T_ERROR, T_HOME = range(1, 10)
+T_MESH_HELLO, T_PRESENCE_DUMP, T_PRESENT, T_ABSENT, T_FORWARD = range(16, 21)
+
+# WireGuard message sizes (whitepaper): initiation 148, response 92, cookie reply 64,
+# transport at least 32 (16-byte header and a 16-byte tag around an empty, padded payload).
+_WG_SIZES = {1: 148, 2: 92, 3: 64}
+
+
+def wireguard_type(message: bytes | memoryview) -> int | None:
+    """The WireGuard message type if `message` is shaped like one, else None."""
+    if len(message) < 4 or message[1] or message[2] or message[3]:
+        return None
+    kind = message[0]
+    if kind in _WG_SIZES:
+        return kind if len(message) == _WG_SIZES[kind] else None
+    if kind == 4 and len(message) >= 32 and (len(message) - 32) % 16 == 0:
+        return 4
+    return None
+
+
+def _str(text: str) -> bytes:
+    raw = text.encode()
+    if len(raw) > 0xFFFF:
+        raise FrameError("string too long")
+    return _U16.pack(len(raw)) + raw
+
+
+def _frame(kind: int, *parts: bytes) -> bytes:
+    length = 1 + sum(len(p) for p in parts)
+    if length > MAX_FRAME:
+        raise FrameError(f"frame of {length} bytes exceeds {MAX_FRAME}")
+    return b"".join((_LEN.pack(length), bytes((kind,)), *parts))
+
+
+def encode(frame: Frame) -> bytes:
+    match frame:
+        case Send(dst, message):
+            return _frame(T_SEND, dst, message)
+        case Recv(src, message):
+            return _frame(T_RECV, src, message)
+        case Forward(src, dst, message):
+            return _frame(T_FORWARD, src, dst, message)
+        case Challenge(relay_key, nonce):
+            return _frame(T_CHALLENGE, relay_key, nonce)
+        case Hello(gang, epoch, node, wg_key, proof):
+            return _frame(T_HELLO, _str(gang), _U64.pack(epoch), _str(node), wg_key, proof)
+        case Welcome(relay, region, rate):
+            return _frame(T_WELCOME, _str(relay), _str(region), _U64.pack(rate))
+        case Ping(data):
+            return _frame(T_PING, data)
+        case Pong(data):
+            return _frame(T_PONG, data)
+        case ErrorFrame(code, message):
+            return _frame(T_ERROR, _str(code), _str(message))
+        case Home(failover):
+            return _frame(T_HOME, b"\x01" if failover else b"\x00")
+        case MeshHello(name, proof):
+            return _frame(T_MESH_HELLO, _str(name), proof)
+        case Present(key, gang, epoch):
+            return _frame(T_PRESENT, key, _str(gang), _U64.pack(epoch))
+        case PresenceDump(entries):
+            body = [_U16.pack(len(entries))]
+            for entry in entries:
+                body += [entry.key, _str(entry.gang), _U64.pack(entry.epoch)]
+            return _frame(T_PRESENCE_DUMP, *body)
+        case Absent(key):
+            return _frame(T_ABSENT, key)
+    raise FrameError(f"cannot encode {frame!r}")
+
+
+class _Reader:
+    def __init__(self, body: memoryview) -> None:
+        self.body = body
+        self.at = 0
+
+    def take(self, n: int) -> bytes:
+        if self.at + n > len(self.body):
+            raise FrameError("frame body too short")
+        out = bytes(self.body[self.at : self.at + n])
+        self.at += n
+        return out
+
+    def string(self) -> str:
+        (n,) = _U16.unpack(self.take(2))
+        try:
+            return self.take(n).decode()
+        except UnicodeDecodeError:
+            raise FrameError("string is not UTF-8") from None
+
+    def u64(self) -> int:
+        return int(_U64.unpack(self.take(8))[0])
+
+    def rest(self) -> bytes:
+        out = bytes(self.body[self.at :])
+        self.at = len(self.body)
+        return out
+
+    def done(self) -> None:
+        if self.at != len(self.body):
+            raise FrameError("trailing bytes in frame")
+
+
+def _decode(kind: int, body: memoryview) -> Frame:
+    r = _Reader(body)
+    frame: Frame
+    if kind == T_SEND:
+        frame = Send(r.take(KEY), r.rest())
+    elif kind == T_RECV:
+        frame = Recv(r.take(KEY), r.rest())
+    elif kind == T_FORWARD:
+        frame = Forward(r.take(KEY), r.take(KEY), r.rest())
+    elif kind == T_CHALLENGE:
+        frame = Challenge(r.take(KEY), r.take(32))
+    elif kind == T_HELLO:
+        frame = Hello(r.string(), r.u64(), r.string(), r.take(KEY), r.take(32))
+    elif kind == T_WELCOME:
+        frame = Welcome(r.string(), r.string(), r.u64())
+    elif kind == T_PING:
+        frame = Ping(r.take(8))
+    elif kind == T_PONG:
+        frame = Pong(r.take(8))
+    elif kind == T_ERROR:
+        frame = ErrorFrame(r.string(), r.string())
+    elif kind == T_HOME:
+        flag = r.take(1)[0]
+        if flag > 1:
+            raise FrameError("home flag must be 0 or 1")
+        frame = Home(bool(flag))
+    elif kind == T_MESH_HELLO:
+        frame = MeshHello(r.string(), r.take(32))
+    elif kind == T_PRESENT:
+        frame = Present(r.take(KEY), r.string(), r.u64())
+    elif kind == T_PRESENCE_DUMP:
+        (count,) = _U16.unpack(r.take(2))
+        frame = PresenceDump(tuple(Present(r.take(KEY), r.string(), r.u64()) for _ in range(count)))
+    elif kind == T_ABSENT:
+        frame = Absent(r.take(KEY))
+    else:
+        raise FrameError(f"unknown frame type {kind}")
+    r.done()
+    return frame
+
+
+class FrameDecoder:
+    """Feed bytes as they arrive; get whole frames. Raises FrameError on malformed input."""
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self._buffer = bytearray()
+        self._max = max_frame
+
+    def feed(self, data: bytes) -> list[Frame]:
+        buffer = self._buffer
+        buffer += data
+        frames: list[Frame] = []
+        at = 0
+        view = memoryview(buffer)
+        try:
+            while len(buffer) - at >= 5:
+                (length,) = _LEN.unpack_from(buffer, at)
+                if length < 1 or length > self._max:
+                    raise FrameError(f"frame length {length} out of range")
+                if len(buffer) - at - 4 < length:
+                    break
+                kind = buffer[at + 4]
+                frames.append(_decode(kind, view[at + 5 : at + 4 + length]))
+                at += 4 + length
+        finally:
+            view.release()
+        if at:
+            del buffer[:at]
+        return frames
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)

@@ -1,0 +1,309 @@
+"""One link per pair of members: many TCP streams, each with credit-based flow control, over
+an ordered transport that may lose a tail of messages when a relay dies.
+
+Every message but ACK carries a link sequence number. The receiver takes only the next number
+and acknowledges cumulatively; the sender keeps what is unacknowledged and sends it all again
+when told the path changed (`retransmit`) or when acknowledgements stall (go-back-N). So data
+in flight on a relay that dies arrives through the other one: nothing lost, duplicated or
+reordered, and no inner connection breaks. There is no congestion control here: the relays'
+TCP connections already provide it.
+
+Wire format, inside WireGuard transport payloads (several messages per payload):
+    u8 kind | u32 seq | u32 stream | u32 length | body[length]
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from dataclasses import dataclass
+
+HEADER = struct.Struct(">BIII")
+U32 = struct.Struct(">I")
+OPEN_BODY = struct.Struct(">HI")
+
+OPEN, OPEN_OK, OPEN_FAIL, DATA, CREDIT, FIN, RST, ACK = range(1, 9)
+SEQ_MOD = 1 << 32
+
+# SOCKS5 reply codes travel as the reason of a failed open or a reset.
+GENERAL_FAILURE, HOST_UNREACHABLE, CONNECTION_REFUSED = 1, 4, 5
+
+
+class LinkError(ValueError):
+    """Malformed link input from an authenticated peer: the caller counts it and resets."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOpened:
+    stream: int
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class OpenResult:
+    stream: int
+    ok: bool
+    code: int
+
+
+@dataclass(frozen=True, slots=True)
+class Data:
+    stream: int
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CreditAvailable:
+    stream: int
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """The peer will send no more on this stream (half close)."""
+
+    stream: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reset:
+    stream: int
+    code: int
+
+
+Event = StreamOpened | OpenResult | Data | CreditAvailable | Closed | Reset
+
+
+@dataclass(slots=True)
+class _Stream:
+    credit: int = 0  # bytes we may still send
+    consumed: int = 0  # bytes delivered and written out since we last granted credit
+    sent_fin: bool = False
+    got_fin: bool = False
+    open: bool = False
+
+
+class Link:
+    def __init__(
+        self,
+        side: int,
+        window: int = 4 << 20,
+        max_payload: int = 60 * 1024,
+        chunk: int = 32 * 1024,
+        rto: float = 1.0,
+    ) -> None:
+        if side not in (0, 1):
+            raise ValueError("side is 0 or 1")
+        self.side = side
+        self.window = window
+        self.max_payload = max_payload
+        self.chunk = chunk
+        self.rto = rto
+        self.streams: dict[int, _Stream] = {}
+        self._next_stream = 2 + side
+        # sender
+        self._next_seq = 0
+        self._unacked: deque[tuple[int, bytes]] = deque()
+        self._unsent = 0  # how many of the newest unacked messages were never transmitted
+        self._last_progress: float | None = None  # when acknowledgements last moved
+        # receiver
+        self._expected = 0
+        self._since_ack = 0
+        self._ack_due = False
+        self.stats = {"retransmits": 0, "duplicates": 0, "gaps": 0}
+
+    # -- what the application does ------------------------------------------------------------
+
+    def open_stream(self, port: int) -> int:
+        stream = self._next_stream
+        self._next_stream += 2
+        self.streams[stream] = _Stream()
+        self._queue(OPEN, stream, OPEN_BODY.pack(port, self.window))
+        return stream
+
+    def accept(self, stream: int) -> None:
+        state = self.streams[stream]
+        state.open = True
+        self._queue(OPEN_OK, stream, U32.pack(self.window))
+
+    def refuse(self, stream: int, code: int) -> None:
+        self.streams.pop(stream, None)
+        self._queue(OPEN_FAIL, stream, bytes((code,)))
+
+    def credit(self, stream: int) -> int:
+        state = self.streams.get(stream)
+        return state.credit if state and state.open and not state.sent_fin else 0
+
+    def send(self, stream: int, data: bytes) -> int:
+        """Queue up to the stream's credit; returns how many bytes were taken."""
+        state = self.streams.get(stream)
+        if state is None or not state.open or state.sent_fin:
+            return 0
+        taken = min(len(data), state.credit)
+        view = memoryview(data)
+        for at in range(0, taken, self.chunk):
+            self._queue(DATA, stream, bytes(view[at : min(taken, at + self.chunk)]))
+        state.credit -= taken
+        return taken
+
+    def consumed(self, stream: int, size: int) -> None:
+        """The application wrote `size` delivered bytes out: grant them back in batches."""
+        state = self.streams.get(stream)
+        if state is None:
+            return
+        state.consumed += size
+        if state.consumed >= self.window // 4:
+            self._queue(CREDIT, stream, U32.pack(state.consumed))
+            state.consumed = 0
+
+    def finish(self, stream: int) -> None:
+        state = self.streams.get(stream)
+        if state is None or state.sent_fin:
+            return
+        state.sent_fin = True
+        self._queue(FIN, stream, b"")
+        self._maybe_forget(stream, state)
+
+    def reset(self, stream: int, code: int = GENERAL_FAILURE) -> None:
+        if self.streams.pop(stream, None) is not None:
+            self._queue(RST, stream, bytes((code,)))
+
+    # -- the transport -------------------------------------------------------------------------
+
+    def outgoing(self) -> list[bytes]:
+        """Payloads to send now: an acknowledgement if one is due, then every message never
+        transmitted (or all unacknowledged ones after `retransmit`), packed up to max_payload."""
+        parts: list[bytes] = []
+        if self._ack_due:
+            parts.append(HEADER.pack(ACK, self._expected, 0, 0))
+            self._ack_due = False
+            self._since_ack = 0
+        start = len(self._unacked) - self._unsent
+        for index in range(start, len(self._unacked)):
+            parts.append(self._unacked[index][1])
+        self._unsent = 0
+        payloads: list[bytes] = []
+        batch: list[bytes] = []
+        size = 0
+        for part in parts:
+            if batch and size + len(part) > self.max_payload:
+                payloads.append(b"".join(batch))
+                batch, size = [], 0
+            batch.append(part)
+            size += len(part)
+        if batch:
+            payloads.append(b"".join(batch))
+        return payloads
+
+    def retransmit(self) -> None:
+        """The path changed (or acknowledgements stalled): send everything unacknowledged again."""
+        if self._unacked:
+            self.stats["retransmits"] += 1
+        self._unsent = len(self._unacked)
+
+    def tick(self, now: float) -> bool:
+        """Timers: True when `outgoing()` has something (an acknowledgement or a resend)."""
+        if self._unacked and self._unsent == 0:
+            if self._last_progress is None:
+                self._last_progress = now
+            elif now - self._last_progress > self.rto:
+                self.retransmit()
+                self._last_progress = now
+        elif not self._unacked:
+            self._last_progress = None
+        if self._since_ack:
+            self._ack_due = True
+        return self._ack_due or self._unsent > 0
+
+    @property
+    def unacked(self) -> int:
+        return len(self._unacked)
+
+    def receive(self, payload: bytes, now: float = 0.0) -> list[Event]:
+        events: list[Event] = []
+        view = memoryview(payload)
+        at = 0
+        while at < len(view):
+            if len(view) - at < HEADER.size:
+                raise LinkError("truncated link header")
+            kind, seq, stream, length = HEADER.unpack_from(view, at)
+            at += HEADER.size
+            if length > len(view) - at:
+                raise LinkError("truncated link message")
+            body = view[at : at + length]
+            at += length
+            if kind == ACK:
+                self._acked(seq, now)
+                continue
+            if seq != self._expected:
+                if (self._expected - seq) % SEQ_MOD < SEQ_MOD // 2:
+                    self.stats["duplicates"] += 1
+                else:
+                    self.stats["gaps"] += 1  # a lost tail: the sender goes back and resends
+                self._ack_due = True
+                continue
+            self._expected = (self._expected + 1) % SEQ_MOD
+            self._since_ack += 1
+            if self._since_ack >= 8:
+                self._ack_due = True
+            self._handle(kind, stream, body, events)
+        return events
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _queue(self, kind: int, stream: int, body: bytes) -> None:
+        message = HEADER.pack(kind, self._next_seq, stream, len(body)) + body
+        self._unacked.append((self._next_seq, message))
+        self._next_seq = (self._next_seq + 1) % SEQ_MOD
+        self._unsent += 1
+
+    def _acked(self, next_expected: int, now: float) -> None:
+        progressed = False
+        while self._unacked and 0 < (next_expected - self._unacked[0][0]) % SEQ_MOD <= SEQ_MOD // 2:
+            self._unacked.popleft()
+            progressed = True
+        self._unsent = min(self._unsent, len(self._unacked))
+        if progressed:
+            self._last_progress = now if self._unacked else None
+
+    def _handle(self, kind: int, stream: int, body: memoryview, events: list[Event]) -> None:
+        state = self.streams.get(stream)
+        if kind == OPEN:
+            if len(body) != OPEN_BODY.size or stream % 2 == self.side or state is not None:
+                raise LinkError(f"bad open of stream {stream}")
+            port, credit = OPEN_BODY.unpack(body)
+            self.streams[stream] = _Stream(credit=credit)
+            events.append(StreamOpened(stream, port))
+        elif kind == OPEN_OK:
+            if state is None or len(body) != 4:
+                return  # reset meanwhile
+            state.open = True
+            state.credit = U32.unpack(body)[0]
+            events.append(OpenResult(stream, True, 0))
+        elif kind == OPEN_FAIL:
+            if self.streams.pop(stream, None) is not None:
+                events.append(
+                    OpenResult(stream, False, body[0] if len(body) == 1 else GENERAL_FAILURE)
+                )
+        elif kind == DATA:
+            if state is not None:
+                events.append(Data(stream, bytes(body)))
+        elif kind == CREDIT:
+            if state is not None and len(body) == 4:
+                had = state.credit
+                state.credit += U32.unpack(body)[0]
+                if had == 0 and state.credit > 0:
+                    events.append(CreditAvailable(stream))
+        elif kind == FIN:
+            if state is not None and not state.got_fin:
+                state.got_fin = True
+                events.append(Closed(stream))
+                self._maybe_forget(stream, state)
+        elif kind == RST:
+            if self.streams.pop(stream, None) is not None:
+                events.append(Reset(stream, body[0] if len(body) == 1 else GENERAL_FAILURE))
+        else:
+            raise LinkError(f"unknown link message kind {kind}")
+
+    def _maybe_forget(self, stream: int, state: _Stream) -> None:
+        if state.sent_fin and state.got_fin:
+            self.streams.pop(stream, None)

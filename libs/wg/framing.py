@@ -1,0 +1,90 @@
+"""How a payload becomes a padded plaintext, and back (whitepaper 5.4.6: zero padding to 16).
+
+WireGuard carries IP packets and finds a packet's end from its IP header. Nodus tunnels carry
+their own stream protocol, so the default framing writes the payload's length first:
+
+    SizedFraming:  length (u16, big-endian) || payload || zeros to a multiple of 16
+    IPFraming:     IP packet || zeros to a multiple of 16   (what WireGuard itself does)
+
+An empty plaintext is a keepalive in both. `decode` works in place on the decrypted buffer
+(deleting a bytearray's head and tail does not copy) and returns None when the plaintext is
+not well formed.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Protocol
+
+from libs.wg.constants import MAX_PAYLOAD, PADDING_MULTIPLE
+
+__all__ = ["IP_PACKETS", "SIZED", "Framing", "IPFraming", "SizedFraming"]
+
+_U16 = struct.Struct(">H")
+_PAD = PADDING_MULTIPLE - 1
+
+
+def _padded(length: int) -> int:
+    return (length + _PAD) & ~_PAD
+
+
+class Framing(Protocol):
+    def encode(self, payload: bytes | bytearray | memoryview) -> bytearray:
+        """The padded plaintext of a non-empty payload (ValueError when it cannot be sent)."""
+        ...
+
+    def decode(self, plaintext: bytearray) -> bytearray | None:
+        """The payload inside a non-empty padded plaintext, or None."""
+        ...
+
+
+class SizedFraming:
+    def encode(self, payload: bytes | bytearray | memoryview) -> bytearray:
+        length = len(payload)
+        if length > MAX_PAYLOAD:
+            raise ValueError(f"a payload is at most {MAX_PAYLOAD} bytes, not {length}")
+        plaintext = bytearray(_padded(2 + length))
+        _U16.pack_into(plaintext, 0, length)
+        plaintext[2 : 2 + length] = payload
+        return plaintext
+
+    def decode(self, plaintext: bytearray) -> bytearray | None:
+        if len(plaintext) < 2:
+            return None
+        (length,) = _U16.unpack_from(plaintext)
+        if 2 + length > len(plaintext):
+            return None
+        del plaintext[2 + length :]
+        del plaintext[:2]
+        return plaintext
+
+
+class IPFraming:
+    """Payloads are IPv4 or IPv6 packets (interoperation with other WireGuard peers)."""
+
+    def encode(self, payload: bytes | bytearray | memoryview) -> bytearray:
+        length = len(payload)
+        if length > MAX_PAYLOAD:
+            raise ValueError(f"an IP packet is at most {MAX_PAYLOAD} bytes, not {length}")
+        plaintext = bytearray(_padded(length))
+        plaintext[:length] = payload
+        return plaintext
+
+    def decode(self, plaintext: bytearray) -> bytearray | None:
+        version = plaintext[0] >> 4
+        if version == 4 and len(plaintext) >= 20:
+            (length,) = _U16.unpack_from(plaintext, 2)
+            if length < 20:
+                return None
+        elif version == 6 and len(plaintext) >= 40:
+            length = 40 + _U16.unpack_from(plaintext, 4)[0]
+        else:
+            return None
+        if length > len(plaintext):
+            return None
+        del plaintext[length:]
+        return plaintext
+
+
+SIZED = SizedFraming()
+IP_PACKETS = IPFraming()

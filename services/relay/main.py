@@ -1,0 +1,105 @@
+"""`nodus relay`: a standalone relay daemon."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+from pathlib import Path
+
+from libs.bus import Bus
+from libs.contracts import names
+from libs.contracts.errors import ErrorCode, NodusError
+from libs.runtime import add_common_flags, run_daemon
+from services.relay.relay import Relay, _split
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "A relay for Relayed gangs: members connect with their epoch's credentials and the "
+        "relay forwards WireGuard ciphertext between members of one gang epoch, meshed one "
+        "hop with the other relays, at most 1 Gbit/s per gang, metering the bytes for billing. "
+        "Logs are JSON lines on stderr (journald-friendly); SIGTERM flushes usage and stops."
+    )
+    add_common_flags(parser, metrics_port=0)
+    parser.add_argument(
+        "--name",
+        default=socket.gethostname().split(".")[0].lower(),
+        help="relay name (default: hostname)",
+    )
+    parser.add_argument("--region", required=True, help="region shown as derp:<region> in probes")
+    parser.add_argument(
+        "--listen", default="0.0.0.0:4430", help="HOST:PORT for members and mesh peers"
+    )
+    parser.add_argument("--advertise", help="host members dial (default: the listen host)")
+    parser.add_argument(
+        "--mesh-with", default="", help="comma-separated HOST:PORT of the other relays"
+    )
+    parser.add_argument(
+        "--mesh-key-file",
+        type=Path,
+        required=True,
+        help="file holding the shared mesh secret (at least 32 bytes); same on every relay",
+    )
+    parser.add_argument(
+        "--key-file",
+        type=Path,
+        help="this relay's X25519 private key (32 raw bytes); created if missing",
+    )
+    parser.add_argument(
+        "--no-rate-limit", action="store_true", help="benchmarks only: no per-gang cap"
+    )
+
+
+def _read_secret(path: Path, what: str, size: int | None = None) -> bytes:
+    try:
+        data = path.read_bytes().strip()
+    except OSError as error:
+        raise NodusError(ErrorCode.INVALID, f"{what} {path}: {error.strerror}") from None
+    if size is not None and len(data) != size:
+        raise NodusError(
+            ErrorCode.INVALID, f"{what} {path}: expected {size} bytes, found {len(data)}"
+        )
+    if len(data) < 32:
+        raise NodusError(ErrorCode.INVALID, f"{what} {path}: at least 32 bytes of secret needed")
+    return data
+
+
+async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    mesh_key = _read_secret(args.mesh_key_file, "mesh key")
+    private_key = None
+    if args.key_file:
+        if not args.key_file.exists():
+            args.key_file.write_bytes(os.urandom(32))
+            args.key_file.chmod(0o600)
+        private_key = _read_secret(args.key_file, "relay key", 32)
+    host, port = _split(args.listen)
+    bus = await Bus.open(
+        args.nats,
+        name=f"nodus-relay-{args.name}",
+        credentials=args.credentials,
+        buckets=[names.BUCKET_MEMBERS, names.BUCKET_EPOCHS, names.BUCKET_RELAYS],
+        streams=True,
+    )
+    relay = Relay(
+        bus,
+        args.name,
+        args.region,
+        (host, port),
+        [a for a in args.mesh_with.split(",") if a],
+        mesh_key,
+        private_key=private_key,
+        rate_limit=not args.no_rate_limit,
+        advertise=args.advertise,
+    )
+    try:
+        await relay.start()
+        await stop.wait()
+    finally:
+        await relay.stop()
+        await bus.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_daemon("relay", args, _body)

@@ -1,0 +1,189 @@
+"""The in-tunnel stream protocol: streams open, carry bytes under credit, close; and when the
+transport loses a tail of messages (a relay died) a retransmit delivers everything once, in
+order, on streams that never reset."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from libs.tunnel import (
+    Closed,
+    CreditAvailable,
+    Data,
+    Link,
+    LinkError,
+    OpenResult,
+    Reset,
+    StreamOpened,
+)
+from libs.tunnel.link import HEADER
+
+
+class Pair:
+    """Two links and the payloads in flight between them; `lose` drops what is in flight."""
+
+    def __init__(self, window: int = 64 * 1024) -> None:
+        self.a = Link(0, window=window)
+        self.b = Link(1, window=window)
+        self.to_b: list[bytes] = []
+        self.to_a: list[bytes] = []
+        self.events_a: list[object] = []
+        self.events_b: list[object] = []
+
+    def pump(self, rounds: int = 50) -> None:
+        for _ in range(rounds):
+            self.to_b += self.a.outgoing()
+            self.to_a += self.b.outgoing()
+            if not self.to_a and not self.to_b:
+                self.a.tick(0.0)
+                self.b.tick(0.0)
+                self.to_b += self.a.outgoing()
+                self.to_a += self.b.outgoing()
+                if not self.to_a and not self.to_b:
+                    return
+            for payload in self.to_b:
+                self.events_b += self.b.receive(payload)
+            for payload in self.to_a:
+                self.events_a += self.a.receive(payload)
+            self.to_a, self.to_b = [], []
+
+    def lose_in_flight(self) -> None:
+        self.to_a, self.to_b = [], []
+
+
+def open_pair(pair: Pair, port: int = 29500) -> int:
+    stream = pair.a.open_stream(port)
+    pair.pump(1)
+    assert StreamOpened(stream, port) in pair.events_b
+    pair.b.accept(stream)
+    pair.pump()
+    assert OpenResult(stream, True, 0) in pair.events_a
+    return stream
+
+
+def received(events: list[object], stream: int) -> bytes:
+    return b"".join(e.data for e in events if isinstance(e, Data) and e.stream == stream)
+
+
+def test_a_stream_opens_carries_bytes_both_ways_and_closes() -> None:
+    pair = Pair()
+    stream = open_pair(pair)
+    assert pair.a.send(stream, b"hello") == 5
+    assert pair.b.send(stream, b"world") == 5
+    pair.pump()
+    assert received(pair.events_b, stream) == b"hello"
+    assert received(pair.events_a, stream) == b"world"
+    pair.a.finish(stream)
+    pair.pump()
+    assert Closed(stream) in pair.events_b
+    pair.b.finish(stream)
+    pair.pump()
+    assert Closed(stream) in pair.events_a
+    assert stream not in pair.a.streams and stream not in pair.b.streams
+    assert pair.a.unacked == 0 and pair.b.unacked == 0
+
+
+def test_a_refused_open_reports_the_socks_code() -> None:
+    pair = Pair()
+    stream = pair.a.open_stream(1)
+    pair.pump(1)
+    pair.b.refuse(stream, 5)
+    pair.pump()
+    assert OpenResult(stream, False, 5) in pair.events_a
+    assert stream not in pair.a.streams
+
+
+def test_credit_bounds_what_is_in_flight_and_comes_back_as_it_is_consumed() -> None:
+    pair = Pair(window=64 * 1024)
+    stream = open_pair(pair)
+    blob = bytes(range(256)) * 1024  # 256 KiB
+    taken = pair.a.send(stream, blob)
+    assert taken == 64 * 1024 and pair.a.credit(stream) == 0
+    pair.pump()
+    assert len(received(pair.events_b, stream)) == taken
+    pair.b.consumed(stream, taken)
+    pair.pump()
+    assert CreditAvailable(stream) in pair.events_a
+    assert pair.a.credit(stream) == 64 * 1024
+
+
+def test_a_lost_tail_is_resent_once_in_order() -> None:
+    pair = Pair(window=1 << 20)
+    stream = open_pair(pair)
+    blob = random.Random(7).randbytes(300_000)
+    pair.a.send(stream, blob[:150_000])
+    pair.to_b += pair.a.outgoing()
+    delivered = pair.to_b[:2]  # the relay delivered two payloads, then died with the rest
+    pair.lose_in_flight()
+    for payload in delivered:
+        pair.events_b += pair.b.receive(payload)
+    pair.a.send(stream, blob[150_000:])
+    pair.a.retransmit()  # the member moved to the other relay
+    pair.pump()
+    assert received(pair.events_b, stream) == blob
+    assert not any(isinstance(e, Reset) for e in pair.events_a + pair.events_b)
+    assert pair.a.stats["retransmits"] == 1
+    assert pair.a.unacked == 0
+
+
+def test_stalled_acknowledgements_trigger_a_resend_after_the_timeout() -> None:
+    a, b = Link(0), Link(1)
+    stream = a.open_stream(80)
+    a.outgoing()  # lost
+    assert not a.tick(0.0)
+    assert a.tick(a.rto + 0.1)
+    events = [e for p in a.outgoing() for e in b.receive(p)]
+    assert StreamOpened(stream, 80) in events
+
+
+def test_malformed_input_is_a_link_error() -> None:
+    link = Link(1)
+    with pytest.raises(LinkError):
+        link.receive(b"\x01\x00")
+    with pytest.raises(LinkError):
+        link.receive(HEADER.pack(1, 0, 3, 100) + b"short")
+    with pytest.raises(LinkError):
+        link.receive(HEADER.pack(99, 0, 3, 0))
+    with pytest.raises(LinkError):  # an open with our own stream parity
+        Link(0).receive(HEADER.pack(1, 0, 2, 6) + b"\x00" * 6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 40_000), min_size=1, max_size=12),
+    losses=st.lists(st.integers(0, 6), max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_any_pattern_of_lost_tails_delivers_every_byte_once_in_order(
+    sizes: list[int], losses: list[int], seed: int
+) -> None:
+    rng = random.Random(seed)
+    pair = Pair(window=1 << 20)
+    streams = [open_pair(pair, port) for port in (1000, 1001)]
+    sent: dict[int, bytearray] = {s: bytearray() for s in streams}
+    loss_points = list(losses)
+    for size in sizes:
+        stream = rng.choice(streams)
+        chunk = rng.randbytes(size)
+        taken = pair.a.send(stream, chunk)
+        sent[stream] += chunk[:taken]
+        pair.to_b += pair.a.outgoing()
+        if loss_points:
+            keep = loss_points.pop()
+            delivered = pair.to_b[:keep]
+            pair.lose_in_flight()
+            for payload in delivered:
+                pair.events_b += pair.b.receive(payload)
+            pair.a.retransmit()
+        pair.pump()
+        for stream_id in streams:
+            got = len(received(pair.events_b, stream_id))
+            if got:
+                pair.b.consumed(stream_id, got)
+    pair.pump()
+    for stream in streams:
+        assert received(pair.events_b, stream) == bytes(sent[stream])
