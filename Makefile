@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench clean system-deps
+.PHONY: demo test test-fast lint bench clean system-deps netshim
 
 system-deps:
 	./deploy/dev/system-deps.sh
@@ -15,10 +15,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-demo: system-deps $(STAMP)
+# The shim (libnodus-netshim.so), nodus-shim-check and the shim's test programs, into
+# netshim/build/ (the placer renders that path into LD_PRELOAD in local runs).
+netshim: system-deps
+	$(MAKE) -C netshim
+
+demo: system-deps $(STAMP) netshim
 	$(BIN)/nodus demo
 
-test: system-deps $(STAMP)
+test: system-deps $(STAMP) netshim
 	$(BIN)/pytest -q
 
 test-fast: $(STAMP)

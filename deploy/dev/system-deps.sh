@@ -9,6 +9,15 @@ WANTED=(
   "make:make"
   "curl:curl"
   "iproute2:ip"
+  # The shim (netshim/): headers and static libc for nodus-shim-check (libc6-dev has no
+  # command: dpkg decides), musl for the ShimNotLoaded tests, proxychains4 for the bench,
+  # unshare/nsenter for the error-mapping tests' network namespace.
+  "libc6-dev:libc6-dev"
+  "musl-tools:musl-gcc"
+  "proxychains4:proxychains4"
+  "util-linux:nsenter"
+  "wireguard-go:wireguard-go"
+  "wireguard-tools:wg"
 )
 
 missing=()

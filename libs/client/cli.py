@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     delete.add_argument("name")
     _client_flags(delete)
 
+    usage = sub.add_parser("usage", help="billable usage per job: mesh-relay GiB")
+    _output_flag(usage, "json")
+    _client_flags(usage)
+
     schema = sub.add_parser("schema", help="JSON Schemas of every record and message")
     schema.add_argument("name", nargs="?", help="one schema (Job, Fleet, Epoch, ...)")
 
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         "describe": _describe,
         "env": _env,
         "delete": _delete,
+        "usage": _usage,
         "up": _up,
         "demo": _demo,
     }
@@ -398,6 +403,31 @@ async def _delete(args: argparse.Namespace) -> int:
     async def body(client: Any) -> int:
         await client.delete(args.name, args.org)
         print(f"job/{args.name} deleted")
+        return 0
+
+    return await _with_client(args, body)
+
+
+async def _usage(args: argparse.Namespace) -> int:
+    from libs.client.output import table
+
+    async def body(client: Any) -> int:
+        totals = await client.usage()
+        rows = []
+        for gang in sorted(totals):
+            org, _, name = gang.partition(".")
+            rows.append(
+                {"job": name, "org": org, "line": "mesh-relay", "gib": totals[gang] / 2**30}
+            )
+        if args.output == "json":
+            print(json.dumps(rows, indent=2))
+        else:
+            print(
+                table(
+                    ["JOB", "ORG", "LINE", "GIB"],
+                    [[r["job"], r["org"], r["line"], f"{r['gib']:.6f}"] for r in rows],
+                )
+            )
         return 0
 
     return await _with_client(args, body)

@@ -18,6 +18,7 @@ from libs.contracts.epochs import Epoch, Lease, Ranktable
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.jobs import Job, JobEvent
+from libs.contracts.relay import UsageRecord
 
 CLIENT_BUCKETS = [
     names.BUCKET_JOBS,
@@ -199,6 +200,27 @@ class Client:
         finally:
             await sub.unsubscribe()
         return events[-limit:]
+
+    async def usage(self) -> dict[str, int]:
+        """Bytes members sent through relays, per gang (`org.name`), from the usage stream."""
+        totals: dict[str, int] = {}
+        sub = await self.bus.js.subscribe("nodus.usage.>", ordered_consumer=True)
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=0.5)
+                except Exception:  # nothing more within the timeout
+                    break
+                try:
+                    record = decode(msg.data, UsageRecord)
+                except msgspec.ValidationError:
+                    continue
+                totals[record.gang] = totals.get(record.gang, 0) + record.bytes_sent
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return totals
 
     async def global_ranktable(self) -> dict[str, Versioned[Ranktable]]:
         return await self.ranktables.snapshot()

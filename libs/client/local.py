@@ -18,6 +18,7 @@ from libs.bus.server import NatsServer, free_port
 from libs.contracts import names
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Fleet, NodeHealth, NodeRecord
+from libs.contracts.relay import RelayRecord
 from services.agent.inventory import load_fleet
 
 REPO = Path(libs.__file__).resolve().parent.parent
@@ -38,6 +39,7 @@ class LocalSystem:
     state_dir: Path = Path(".nodus")
     nats_port: int = 4222
     placers: int = 1
+    relays: int = 2
     heartbeat_seconds: float = 2.0
     placer_config: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -82,6 +84,33 @@ class LocalSystem:
             args += ["--config", str(self.placer_config)]
         return self._spawn(f"placer-{index}", args)
 
+    def start_relays(self) -> None:
+        """Two (or more) relays meshed with each other, sharing one mesh key."""
+        key_file = self.state_dir / "relay-mesh.key"
+        if not key_file.exists():
+            key_file.write_bytes(os.urandom(32).hex().encode())
+            key_file.chmod(0o600)
+        ports = [free_port() for _ in range(self.relays)]
+        regions = ["eu-central", "us-east", "ap-south", "us-west"]
+        for index, port in enumerate(ports):
+            others = ",".join(f"127.0.0.1:{p}" for p in ports if p != port)
+            self._spawn(
+                f"relay-{index}",
+                [
+                    "relay",
+                    "--name",
+                    f"relay-{index}",
+                    "--region",
+                    regions[index % len(regions)],
+                    "--listen",
+                    f"127.0.0.1:{port}",
+                    "--mesh-with",
+                    others,
+                    "--mesh-key-file",
+                    str(key_file.resolve()),
+                ],
+            )
+
     def start_agent(self, machine: str, socks_port: int) -> Child:
         return self._spawn(
             f"agent-{machine}",
@@ -114,6 +143,7 @@ class LocalSystem:
         try:
             for index in range(self.placers):
                 self.start_placer(index)
+            self.start_relays()
             for machine in self.fleet.machines:
                 self.machine_dir(machine.name).mkdir(parents=True, exist_ok=True)
                 self.start_agent(machine.name, free_port())
@@ -129,12 +159,14 @@ class LocalSystem:
         wanted = {m.name for m in self.fleet.machines}
         nodes = bus.bucket(names.BUCKET_NODES, NodeRecord)
         health = bus.bucket(names.BUCKET_HEALTH, NodeHealth)
+        relays_bucket = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._check_children()
             registered = set(await nodes.snapshot()) & set(await health.snapshot())
             placers = await _count_services(bus, "nodus-placer")
-            if wanted <= registered and placers >= self.placers:
+            relays = await relays_bucket.snapshot()
+            if wanted <= registered and placers >= self.placers and len(relays) >= self.relays:
                 return
             await asyncio.sleep(0.2)
         missing = sorted(wanted - set(await nodes.snapshot()))

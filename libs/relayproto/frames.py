@@ -10,6 +10,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from libs.wg import message_type
+
 MAX_FRAME = 1 << 17  # 128 KiB: a WireGuard message of up to 64 KiB plus headers
 KEY = 32
 
@@ -129,21 +131,10 @@ Frame = (
 T_CHALLENGE, T_HELLO, T_WELCOME, T_SEND, T_RECV, T_PING, T_PONG, T_ERROR, T_HOME = range(1, 10)
 T_MESH_HELLO, T_PRESENCE_DUMP, T_PRESENT, T_ABSENT, T_FORWARD = range(16, 21)
 
-# WireGuard message sizes (whitepaper): initiation 148, response 92, cookie reply 64,
-# transport at least 32 (16-byte header and a 16-byte tag around an empty, padded payload).
-_WG_SIZES = {1: 148, 2: 92, 3: 64}
-
 
 def wireguard_type(message: bytes | memoryview) -> int | None:
-    """The WireGuard message type if `message` is shaped like one, else None."""
-    if len(message) < 4 or message[1] or message[2] or message[3]:
-        return None
-    kind = message[0]
-    if kind in _WG_SIZES:
-        return kind if len(message) == _WG_SIZES[kind] else None
-    if kind == 4 and len(message) >= 32 and (len(message) - 32) % 16 == 0:
-        return 4
-    return None
+    """The WireGuard message type if `message` is shaped like one, else None (G16)."""
+    return message_type(message)
 
 
 def _str(text: str) -> bytes:

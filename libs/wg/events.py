@@ -1,4 +1,8 @@
-"""What the Device hands back to the code around it: messages to send, payloads, and drops."""
+"""What the Device hands back to the code around it: messages to send, payloads, and drops.
+
+Events are plain slotted dataclasses (not frozen: that costs more than the rest of an event
+on the transport path); treat them as read-only.
+"""
 
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ class DropReason(StrEnum):
     HANDSHAKE_FAILED = "handshake attempts exhausted"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Outgoing:
     """Bytes to send. `peer` is None for a cookie reply to an unauthenticated sender; then
     `reply_to` is the `source` the message arrived with, and the reply goes back there."""
@@ -48,7 +52,7 @@ class Outgoing:
     reply_to: bytes | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Delivered:
     """An authenticated payload from `peer` (never a keepalive)."""
 
@@ -56,7 +60,7 @@ class Delivered:
     payload: bytes | bytearray
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HandshakeCompleted:
     """A new session with `peer` is in use (the initiator: response received; the
     responder: the initiator's first transport message received)."""
@@ -65,7 +69,7 @@ class HandshakeCompleted:
     initiator: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HandshakeFailed:
     """No response for Rekey-Attempt-Time: the handshake stopped, queued payloads dropped."""
 
@@ -73,7 +77,7 @@ class HandshakeFailed:
     dropped_payloads: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Dropped:
     """An input that was not accepted (malformed, unauthenticated, replayed, expired, ...)."""
 

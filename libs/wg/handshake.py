@@ -37,6 +37,7 @@ __all__ = [
     "consume_response",
     "create_initiation",
     "create_response",
+    "open_timestamp",
 ]
 
 _NO_PRESHARED_KEY = bytes(KEY_SIZE)
@@ -124,9 +125,9 @@ def create_initiation(
 
 
 def consume_initiation(identity: Identity, message: Initiation) -> ConsumedInitiation:
-    """Authenticate message 1 up to the static key; DecryptError when it does not open.
+    """Message 1 up to the initiator's static key; DecryptError when it does not open.
 
-    The caller looks the static key up among its peers, then calls `open_timestamp`."""
+    The caller looks that key up among its peers, then calls `open_timestamp`."""
     chain_key = kdf1(INITIAL_CHAIN_KEY, message.ephemeral)
     hash_value = hash_(identity.hash, message.ephemeral)
     chain_key, key = kdf2(chain_key, dh(identity.private, message.ephemeral))

@@ -60,7 +60,7 @@ def classify(data: bytes | bytearray | memoryview) -> int | DropReason:
     """The message type, or why the bytes are not a WireGuard message."""
     if len(data) < 4:
         return DropReason.BAD_SIZE
-    (kind,) = _TYPE.unpack_from(data)
+    kind: int = _TYPE.unpack_from(data)[0]
     if kind == TYPE_TRANSPORT:
         if KEEPALIVE_SIZE <= len(data) <= MAX_MESSAGE_SIZE:
             return kind

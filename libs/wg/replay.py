@@ -24,19 +24,16 @@ assert REPLAY_RING_BLOCKS & _RING_MASK == 0
 
 
 class ReplayWindow:
-    __slots__ = ("_greatest", "_ring", "_seen_any")
+    __slots__ = ("_greatest", "_ring")
 
     def __init__(self) -> None:
         self._ring = [0] * REPLAY_RING_BLOCKS
-        self._greatest = 0
-        self._seen_any = False
+        self._greatest = -1  # nothing seen yet
 
     def could_accept(self, counter: int) -> bool:
         """Whether `accept` may succeed; no state changes (checked before decrypting)."""
-        if counter >= REJECT_AFTER_MESSAGES:
-            return False
-        if counter > self._greatest or not self._seen_any:
-            return True
+        if counter > self._greatest:
+            return counter < REJECT_AFTER_MESSAGES
         if self._greatest - counter > REPLAY_WINDOW:
             return False
         block = (counter >> _BLOCK_SHIFT) & _RING_MASK
@@ -44,20 +41,24 @@ class ReplayWindow:
 
     def accept(self, counter: int) -> bool:
         """Record an authenticated counter; False for a duplicate, too old, or past the limit."""
-        if counter >= REJECT_AFTER_MESSAGES:
-            return False
         ring = self._ring
-        block_index = counter >> _BLOCK_SHIFT
-        if counter > self._greatest or not self._seen_any:
-            current = self._greatest >> _BLOCK_SHIFT if self._seen_any else -1
-            jump = min(block_index - current, REPLAY_RING_BLOCKS)
-            for index in range(block_index - jump + 1, block_index + 1):
-                ring[index & _RING_MASK] = 0
+        greatest = self._greatest
+        if counter > greatest:
+            if counter >= REJECT_AFTER_MESSAGES:
+                return False
+            block = counter >> _BLOCK_SHIFT
+            current = greatest >> _BLOCK_SHIFT
+            if block != current:
+                # Entering new blocks: clear them (at most the whole ring).
+                for index in range(max(current + 1, block - _RING_MASK), block + 1):
+                    ring[index & _RING_MASK] = 0
             self._greatest = counter
-            self._seen_any = True
-        elif self._greatest - counter > REPLAY_WINDOW:
+            # Bits above the greatest counter are clear in its block: no duplicate possible.
+            ring[block & _RING_MASK] |= 1 << (counter & _BIT_MASK)
+            return True
+        if greatest - counter > REPLAY_WINDOW:
             return False
-        slot = block_index & _RING_MASK
+        slot = (counter >> _BLOCK_SHIFT) & _RING_MASK
         bit = 1 << (counter & _BIT_MASK)
         old = ring[slot]
         if old & bit:
@@ -67,4 +68,4 @@ class ReplayWindow:
 
     @property
     def greatest(self) -> int | None:
-        return self._greatest if self._seen_any else None
+        return self._greatest if self._greatest >= 0 else None

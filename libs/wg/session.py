@@ -60,9 +60,7 @@ class Session:
         self._decrypt_into = ChaCha20Poly1305(keys.receive).decrypt_into
 
     def can_send(self, now: float) -> bool:
-        return (
-            self.send_counter < REJECT_AFTER_MESSAGES and now - self.created < REJECT_AFTER_TIME
-        )
+        return self.send_counter < REJECT_AFTER_MESSAGES and now - self.created < REJECT_AFTER_TIME
 
     def can_receive(self, now: float) -> bool:
         return now - self.created < REJECT_AFTER_TIME

@@ -16,9 +16,13 @@ from libs.contracts.base import Record, now
 from libs.contracts.epochs import Epoch, JoinKeyGrant, JoinRedemption
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Machine, NodeHealth, NodeRecord
+from libs.contracts.jobs import PathClass
+from libs.contracts.relay import Member
 from libs.mesh import verify_join_key
 from libs.runtime.tasks import cancel_and_wait
+from libs.wg import generate_private_key, key_to_base64, public_key
 from services.agent.inventory import AGENT_VERSION, capabilities_of, inventory_of
+from services.agent.member import RelayedMember
 
 log = logging.getLogger("nodus.agent")
 
@@ -26,6 +30,7 @@ HEARTBEATS = Counter("nodus_agent_heartbeats_total", "Heartbeats sent", ["node"]
 JOINS = Counter(
     "nodus_agent_epoch_joins_total", "Join keys handled by outcome", ["node", "outcome"]
 )
+DATAPLANES = Counter("nodus_agent_dataplanes_total", "Relayed dataplanes started", ["node", "outcome"])
 JOINED = Gauge("nodus_agent_joined_epochs", "Epochs this node is a member of", ["node"])
 
 
@@ -58,6 +63,10 @@ class Agent:
         self.redeemed = bus.bucket(names.BUCKET_REDEEMED, JoinRedemption)
         self.joined: dict[str, JoinedEpoch] = {}  # joinkey key -> membership
         self.guard = EpochGuard()  # the newest epoch joined per gang (C2)
+        self.members = bus.bucket(names.BUCKET_MEMBERS, Member)
+        self.relayed: dict[str, RelayedMember] = {}  # joinkey key -> the Relayed dataplane
+        self._wg_keys: dict[str, bytes] = {}  # "gang.epoch" -> this node's WireGuard key
+        self._starting: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
 
     def record(self) -> NodeRecord:
@@ -94,7 +103,10 @@ class Agent:
         log.info("agent %s registered (boot %s)", self.node, self.boot_id)
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._tasks)
+        await cancel_and_wait([*self._tasks, *self._starting])
+        for runtime in self.relayed.values():
+            await runtime.stop()
+        self.relayed.clear()
 
     async def info(self, _: NodeInfoRequest) -> NodeInfoReply:
         return NodeInfoReply(node=self.record())
@@ -121,12 +133,18 @@ class Agent:
         async for change in self.joinkeys.watch(f"{self.node}.>"):
             if change.value is None:
                 left = self.joined.pop(change.key, None)
+                runtime = self.relayed.pop(change.key, None)
+                if runtime is not None:
+                    await runtime.stop()
                 if left:
                     log.info("left %s epoch %d", left.gang, left.epoch)
             else:
                 try:
                     joined = await self._join(change.value)
                     self.joined[change.key] = joined
+                    task = asyncio.create_task(self._start_dataplane(change.key, joined))
+                    self._starting.add(task)
+                    task.add_done_callback(self._starting.discard)
                     JOINS.labels(self.node, "joined").inc()
                     log.info(
                         "joined %s epoch %d as rank %d", joined.gang, joined.epoch, joined.rank
@@ -135,6 +153,27 @@ class Agent:
                     JOINS.labels(self.node, error.code.value).inc()
                     log.warning("join refused: %s", error)
             JOINED.labels(self.node).set(len(self.joined))
+
+    async def _start_dataplane(self, key: str, joined: JoinedEpoch) -> None:
+        """On the Relayed path: the tunnel through the relays and the SOCKS5 entry (G14)."""
+        stored = await self.epochs.get(names.epoch_key(joined.gang, joined.epoch))
+        if stored is None or stored.value.path is not PathClass.RELAYED:
+            return
+        member = next(m for m in stored.value.members if m.node == self.node)
+        host, _, port = self.socks_endpoint.rpartition(":")
+        runtime = RelayedMember(
+            self.bus,
+            stored.value,
+            member,
+            self._wg_keys[f"{joined.gang}.{joined.epoch}"],
+            (host, int(port)),
+        )
+        try:
+            await runtime.start()
+        except Exception:
+            await runtime.stop()
+            raise
+        self.relayed[key] = runtime
 
     async def _join(self, grant: JoinKeyGrant) -> JoinedEpoch:
         """Verify the key against the persisted epoch, then use it once."""
@@ -176,6 +215,28 @@ class Agent:
                 ErrorCode.CONFLICT,
                 f"join key for {claims.gang} epoch {claims.epoch} was already used",
             )
+        # A fresh WireGuard key per epoch, bound to this node once: relays admit only it (S2).
+        private = generate_private_key()
+        record = Member(
+            gang=claims.gang,
+            epoch=claims.epoch,
+            node=self.node,
+            rank=member.rank,
+            address=member.address,
+            wg_public_key=key_to_base64(public_key(private)),
+            joined_time=t,
+        )
+        if (
+            await self.members.create(
+                names.member_key(claims.gang, claims.epoch, self.node), record
+            )
+            is None
+        ):
+            raise NodusError(
+                ErrorCode.CONFLICT,
+                f"{self.node} already holds a key in {claims.gang} epoch {claims.epoch}",
+            )
+        self._wg_keys[f"{claims.gang}.{claims.epoch}"] = private
         self.guard.advance(claims.gang, claims.epoch)
         return JoinedEpoch(
             gang=claims.gang, epoch=claims.epoch, rank=member.rank, address=member.address

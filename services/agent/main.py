@@ -57,6 +57,8 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
             names.BUCKET_EPOCHS,
             names.BUCKET_JOINKEYS,
             names.BUCKET_REDEEMED,
+            names.BUCKET_MEMBERS,
+            names.BUCKET_RELAYS,
         ],
     )
     agent = Agent(bus, machine, args.heartbeat_seconds, args.socks_listen)

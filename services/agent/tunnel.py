@@ -239,7 +239,7 @@ class Tunnel:
 
     def _on_message(self, src: bytes, message: bytes) -> None:
         now = time.monotonic()
-        replies, delivered = self.device.receive(message, now)
+        replies, delivered = self.device.receive(message, now, src)
         self._send_wire(replies)
         for peer_key, payload in delivered:
             peer = self.peers_by_key.get(peer_key)

@@ -56,6 +56,15 @@ class Node:
         )
 
 
+async def known(relays: tuple[Relay, Relay], *nodes: Node) -> None:
+    """Wait until both relays have read the nodes' member records."""
+    for _ in range(200):
+        if all(r.membership.identity(n.public) is not None for r in relays for n in nodes):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("relays never saw the member records")
+
+
 async def enrol(bus: Bus, gang: str, epoch: int, nodes: list[Node]) -> None:
     t = now()
     await bus.bucket(names.BUCKET_EPOCHS, Epoch).put(
@@ -121,6 +130,15 @@ def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
+async def counted(name: str, value: float, **labels: str) -> None:
+    for _ in range(250):
+        if metric(name, **labels) >= value:
+            assert metric(name, **labels) == value
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{name}{labels} never reached {value}")
+
+
 async def connected(node: Node, relay: Relay) -> RelayClient:
     client = node.client(relay)
     await client.connect()
@@ -128,8 +146,17 @@ async def connected(node: Node, relay: Relay) -> RelayClient:
     return client
 
 
-async def settle() -> None:
-    await asyncio.sleep(0.2)  # presence deltas cross the mesh
+async def present_everywhere(relays: tuple[Relay, Relay], *nodes: Node) -> None:
+    """Wait until each relay knows where every node is homed (presence crossed the mesh)."""
+    for _ in range(200):
+        if all(
+            n.public in r.sessions or any(n.public in p for p in r.remote.values())
+            for r in relays
+            for n in nodes
+        ):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("presence did not cross the mesh")
 
 
 async def test_members_on_different_relays_reach_each_other_through_the_mesh(
@@ -137,10 +164,10 @@ async def test_members_on_different_relays_reach_each_other_through_the_mesh(
 ) -> None:
     a, b = Node("acme.rl", 1, "a"), Node("acme.rl", 1, "b")
     await enrol(bus, "acme.rl", 1, [a, b])
-    await asyncio.sleep(0.2)
+    await known(relays, a, b)
     client_a = await connected(a, relays[0])
     client_b = await connected(b, relays[1])
-    await settle()
+    await present_everywhere(relays, a, b)
     message = wg_shaped(100)
     assert client_a.send_now(b.public, message)
     src, got = await asyncio.wait_for(b.inbox.get(), 5)
@@ -159,15 +186,14 @@ async def test_nobody_outside_the_gang_epoch_gets_through(
     other = Node("globex.x", 1, "c")
     await enrol(bus, "acme.rl", 1, [a, b])
     await enrol(bus, "globex.x", 1, [other, Node("globex.x", 1, "d")])
-    await asyncio.sleep(0.2)
+    await known(relays, a, b, other)
     await connected(b, relays[0])
     intruder = await connected(other, relays[0])
-    await settle()
+    await present_everywhere(relays, b)
     before = metric("nodus_relay_frames_dropped_total", reason="not_same_gang_epoch")
     intruder.send_now(b.public, wg_shaped(64))
-    await asyncio.sleep(0.3)
+    await counted("nodus_relay_frames_dropped_total", before + 1, reason="not_same_gang_epoch")
     assert b.inbox.empty()
-    assert metric("nodus_relay_frames_dropped_total", reason="not_same_gang_epoch") == before + 1
 
     # A stranger's key, a wrong proof, a claim to another node: refused at hello, counted.
     stranger = Node("acme.rl", 1, "a")  # claims to be a, with a key nobody recorded
@@ -183,7 +209,7 @@ async def test_nobody_outside_the_gang_epoch_gets_through(
 async def test_a_fenced_epoch_is_cut_off(bus: Bus, relays: tuple[Relay, Relay]) -> None:
     a, b = Node("acme.rl", 1, "a"), Node("acme.rl", 1, "b")
     await enrol(bus, "acme.rl", 1, [a, b])
-    await asyncio.sleep(0.2)
+    await known(relays, a, b)
     client_a = await connected(a, relays[0])
     epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
     current = await epochs.get(names.epoch_key("acme.rl", 1))
@@ -204,13 +230,12 @@ async def test_malformed_frames_and_non_wireguard_payloads_are_counted_drops(
 ) -> None:
     a, b = Node("acme.rl", 1, "a"), Node("acme.rl", 1, "b")
     await enrol(bus, "acme.rl", 1, [a, b])
-    await asyncio.sleep(0.2)
+    await known(relays, a, b)
     client_a = await connected(a, relays[0])
     await connected(b, relays[0])
     before = metric("nodus_relay_frames_dropped_total", reason="not_wireguard")
     client_a.send_now(b.public, b"plaintext that is not WireGuard")
-    await asyncio.sleep(0.2)
-    assert metric("nodus_relay_frames_dropped_total", reason="not_wireguard") == before + 1
+    await counted("nodus_relay_frames_dropped_total", before + 1, reason="not_wireguard")
     assert b.inbox.empty()
     # Garbage on a fresh connection: the relay drops it and keeps serving.
     host, port = relays[0].listen
@@ -230,10 +255,10 @@ async def test_bytes_each_member_sends_are_metered_once(
 ) -> None:
     a, b = Node("acme.rl", 1, "a"), Node("acme.rl", 1, "b")
     await enrol(bus, "acme.rl", 1, [a, b])
-    await asyncio.sleep(0.2)
+    await known(relays, a, b)
     client_a = await connected(a, relays[0])
     await connected(b, relays[1])
-    await settle()
+    await present_everywhere(relays, a, b)
     sent = 0
     for _ in range(20):
         message = wg_shaped(1000)

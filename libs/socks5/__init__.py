@@ -1,0 +1,56 @@
+"""SOCKS5 for the shim's traffic: a sans-I/O codec (`codec`) and a thin asyncio server
+(`server.serve(host, port, dial)`). `python -m libs.socks5` runs a standalone endpoint."""
+
+from libs.socks5.codec import (
+    AddressType,
+    Command,
+    ConnectRequest,
+    Rejected,
+    Reply,
+    ReplyCode,
+    ServerCodec,
+    SocksError,
+    State,
+    client_connect,
+    client_greeting,
+    parse_method_selection,
+    parse_reply,
+)
+from libs.socks5.server import (
+    Dial,
+    SocksClosed,
+    SocksConnected,
+    SocksEvent,
+    SocksRefusal,
+    SocksRejected,
+    open_connection_dial,
+    reply_for_exception,
+    serve,
+    splice,
+)
+
+__all__ = [
+    "AddressType",
+    "Command",
+    "ConnectRequest",
+    "Dial",
+    "Rejected",
+    "Reply",
+    "ReplyCode",
+    "ServerCodec",
+    "SocksClosed",
+    "SocksConnected",
+    "SocksError",
+    "SocksEvent",
+    "SocksRefusal",
+    "SocksRejected",
+    "State",
+    "client_connect",
+    "client_greeting",
+    "open_connection_dial",
+    "parse_method_selection",
+    "parse_reply",
+    "reply_for_exception",
+    "serve",
+    "splice",
+]

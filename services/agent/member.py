@@ -1,0 +1,116 @@
+"""A node's membership in one Relayed gang epoch: its tunnel to the peers through two relays
+and the SOCKS5 entry its ranks' shim dials (NODUS_NETSHIM_SOCKS)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+from datetime import timedelta
+
+from libs.bus import Bus
+from libs.contracts import names
+from libs.contracts.base import now
+from libs.contracts.epochs import Epoch, EpochMember
+from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.relay import Member, RelayRecord
+from libs.runtime.tasks import cancel_and_wait
+from services.agent.socks import SocksFront
+from services.agent.tunnel import Tunnel
+from services.agent.wgdevice import WgDevice
+
+log = logging.getLogger("nodus.agent.member")
+
+RELAY_FRESH = timedelta(seconds=10)
+RELAYS_PER_MEMBER = 2
+
+
+async def pick_relays(bus: Bus, wait: float = 30.0) -> list[tuple[str, str]]:
+    """Two live relays (fresh heartbeats), in a stable order; waits for at least one."""
+    bucket = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
+    deadline = asyncio.get_running_loop().time() + wait
+    while True:
+        records = await bucket.snapshot()
+        t = now()
+        live = sorted(
+            (r.value for r in records.values() if t - r.value.heartbeat_time < RELAY_FRESH),
+            key=lambda r: r.name,
+        )
+        if live:
+            return [(r.name, r.address) for r in live[:RELAYS_PER_MEMBER]]
+        if asyncio.get_running_loop().time() > deadline:
+            raise NodusError(
+                ErrorCode.NO_RESPONDERS, "no live relay announced itself in nodus-relays"
+            )
+        await asyncio.sleep(0.5)
+
+
+class RelayedMember:
+    def __init__(
+        self,
+        bus: Bus,
+        epoch: Epoch,
+        member: EpochMember,
+        wg_private: bytes,
+        socks_listen: tuple[str, int],
+    ) -> None:
+        self.bus = bus
+        self.epoch = epoch
+        self.member = member
+        self.wg_private = wg_private
+        self.socks_listen = socks_listen
+        self.tunnel: Tunnel | None = None
+        self.socks: SocksFront | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        relays = await pick_relays(self.bus)
+        device = WgDevice(self.wg_private)
+        bounds = self.epoch.bounds
+        window = max(256 * 1024, min(bounds.tunnel_buffer_bytes or (4 << 20), 16 << 20))
+        self.tunnel = Tunnel(
+            self.member.node,
+            self.epoch.gang,
+            self.epoch.epoch,
+            self.member.address,
+            device,
+            relays,
+            window,
+        )
+        ready = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._watch_peers(ready))]
+        await ready.wait()
+        await self.tunnel.start()
+        await self.tunnel.wait_ready()
+        self.socks = SocksFront(self.tunnel, self.socks_listen)
+        await self.socks.start()
+        log.info(
+            "%s joined %s epoch %d on the relayed path via %s; SOCKS5 on %s:%d",
+            self.member.node,
+            self.epoch.gang,
+            self.epoch.epoch,
+            self.tunnel.path,
+            *self.socks_listen,
+        )
+
+    async def stop(self) -> None:
+        if self.socks is not None:
+            await self.socks.stop()
+        if self.tunnel is not None:
+            await self.tunnel.stop()
+        await cancel_and_wait(self._tasks)
+
+    async def _watch_peers(self, ready: asyncio.Event) -> None:
+        members = self.bus.bucket(names.BUCKET_MEMBERS, Member)
+        prefix = f"{self.epoch.gang}.{self.epoch.epoch}.*"
+        async for change in members.watch(prefix, caught_up=ready):
+            peer = change.value
+            if peer is None or peer.node == self.member.node or self.tunnel is None:
+                continue
+            try:
+                key = base64.b64decode(peer.wg_public_key, validate=True)
+            except (binascii.Error, ValueError):
+                continue
+            if len(key) == 32:
+                self.tunnel.add_peer(peer.node, peer.address, key)

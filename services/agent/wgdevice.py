@@ -1,0 +1,64 @@
+"""The tunnel's view of WireGuard: messages addressed by peer key, payloads delivered by peer.
+
+A thin adapter over libs.wg.Device: on the Relayed path every message travels to a peer key
+through a relay, so a message's "source" is the sender's key and a cookie reply goes back to
+that key."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+from libs.wg import Delivered, Device, Dropped, HandshakeCompleted, HandshakeFailed, Outgoing
+from libs.wg import Event as WgEvent
+
+Wire = list[tuple[bytes, bytes]]  # (destination key, WireGuard message)
+
+DROPS = Counter("nodus_agent_wireguard_drops_total", "WireGuard messages not accepted", ["reason"])
+HANDSHAKES = Counter(
+    "nodus_agent_wireguard_handshakes_total", "Sessions established or failed", ["outcome"]
+)
+
+
+class WgDevice:
+    def __init__(self, private_key: bytes) -> None:
+        self._device = Device(private_key)
+
+    @property
+    def private_key(self) -> bytes:
+        return self._device.private_key
+
+    @property
+    def public_key(self) -> bytes:
+        return self._device.public_key
+
+    def add_peer(self, key: bytes) -> None:
+        self._device.add_peer(key)
+
+    def send(self, peer: bytes, payload: bytes, now: float) -> Wire:
+        return _wire(self._device.send(peer, payload, now))
+
+    def receive(
+        self, message: bytes, now: float, source: bytes
+    ) -> tuple[Wire, list[tuple[bytes, bytes]]]:
+        events = self._device.receive(message, now, source)
+        delivered = [(e.peer, bytes(e.payload)) for e in events if isinstance(e, Delivered)]
+        return _wire(events), delivered
+
+    def tick(self, now: float) -> Wire:
+        return _wire(self._device.tick(now))
+
+
+def _wire(events: list[WgEvent] | list[Outgoing] | list[Outgoing | HandshakeFailed]) -> Wire:
+    out: Wire = []
+    for event in events:
+        if isinstance(event, Outgoing):
+            destination = event.peer if event.peer is not None else event.reply_to
+            if destination is not None:
+                out.append((destination, bytes(event.data)))
+        elif isinstance(event, Dropped):
+            DROPS.labels(event.reason.value).inc()
+        elif isinstance(event, HandshakeCompleted):
+            HANDSHAKES.labels("completed").inc()
+        elif isinstance(event, HandshakeFailed):
+            HANDSHAKES.labels("failed").inc()
+    return out

@@ -1,0 +1,193 @@
+"""The Relayed path end to end in one process: placer, two meshed relays, two agents. A program
+on one member reaches a listener on the other member's address through the agent's SOCKS5
+entry; refusals come back as SOCKS codes; a relay dies mid-stream and nothing breaks."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+
+from libs.bus import Bus
+from libs.bus.server import free_port
+from libs.client.client import Client
+from libs.socks5 import client_connect, client_greeting, parse_reply
+from services.agent.agent import Agent
+from services.relay.relay import Relay
+from tests.conftest import StartPlacer, eventually
+from tests.factories import job, machine
+
+MESH_KEY = b"m" * 32
+L4 = {"count": 1, "backend": "cuda", "model": "L4"}
+
+
+@dataclass
+class Gang:
+    relays: list[Relay]
+    agents: list[Agent]
+    socks: list[tuple[str, int]]
+    addresses: list[str]
+
+
+@pytest.fixture
+async def gang(bus: Bus, start_placer: StartPlacer) -> AsyncIterator[Gang]:
+    ports = [free_port(), free_port()]
+    relays = [
+        Relay(
+            bus,
+            f"relay-{i}",
+            ["eu-central", "us-east"][i],
+            ("127.0.0.1", ports[i]),
+            [f"127.0.0.1:{ports[1 - i]}"],
+            MESH_KEY,
+        )
+        for i in range(2)
+    ]
+    for relay in relays:
+        await relay.start()
+    socks = [("127.0.0.1", free_port()), ("127.0.0.1", free_port())]
+    addresses = ["127.0.1.21", "127.0.1.22"]
+    agents = [
+        Agent(
+            bus,
+            machine(
+                "vast-a",
+                provider="vast",
+                offering="container",
+                address=addresses[0],
+                accelerators=L4,
+            ),
+            heartbeat_seconds=0.5,
+            socks_endpoint=f"{socks[0][0]}:{socks[0][1]}",
+        ),
+        Agent(
+            bus,
+            machine("lam-b", provider="lambda", address=addresses[1], accelerators=L4),
+            heartbeat_seconds=0.5,
+            socks_endpoint=f"{socks[1][0]}:{socks[1][1]}",
+        ),
+    ]
+    for agent in agents:
+        await agent.start()
+    await start_placer()
+    await Client(bus).apply(
+        job(
+            "rl",
+            org="acme",
+            accelerators={"model": "L4"},
+            distributed={"members": 2, "transport": "Auto"},
+        )
+    )
+
+    async def tunnels_up() -> bool:
+        return all(
+            a.relayed and all(r.socks is not None for r in a.relayed.values()) for a in agents
+        )
+
+    await eventually(tunnels_up, timeout=20)
+    yield Gang(relays, agents, socks, addresses)
+    for agent in agents:
+        await agent.stop()
+    for relay in relays:
+        await relay.stop()
+
+
+async def socks_connect(
+    socks: tuple[str, int], host: str, port: int
+) -> tuple[int, asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection(*socks)
+    writer.write(client_greeting())
+    await reader.readexactly(2)
+    writer.write(client_connect(host, port))
+    head = await reader.readexactly(4)
+    rest = await reader.readexactly({1: 4, 4: 16}.get(head[3], 4) + 2)
+    reply = parse_reply(head + rest)
+    assert reply is not None
+    return reply.code, reader, writer
+
+
+async def test_a_program_on_one_member_reaches_a_listener_on_the_other(gang: Gang) -> None:
+    received: list[bytes] = []
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        data = await reader.read(1 << 16)
+        received.append(data)
+        writer.write(data.upper())
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, gang.addresses[1], 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        code, reader, writer = await socks_connect(gang.socks[0], gang.addresses[1], port)
+        assert code == 0
+        writer.write(b"hello through the relays")
+        assert await asyncio.wait_for(reader.read(100), 10) == b"HELLO THROUGH THE RELAYS"
+        writer.close()
+    assert received == [b"hello through the relays"]
+    # And in the other direction, to a listener on member A (the torchrun store, NCCL).
+    server = await asyncio.start_server(echo, gang.addresses[0], 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        code, reader, writer = await socks_connect(gang.socks[1], gang.addresses[0], port)
+        assert code == 0
+        writer.write(b"back")
+        assert await asyncio.wait_for(reader.read(100), 10) == b"BACK"
+        writer.close()
+
+
+async def test_refusals_come_back_as_socks_codes(gang: Gang) -> None:
+    closed_port = free_port(gang.addresses[1])
+    code, _, writer = await socks_connect(gang.socks[0], gang.addresses[1], closed_port)
+    assert code == 5  # connection refused: the shim turns it into ECONNREFUSED
+    writer.close()
+    code, _, writer = await socks_connect(gang.socks[0], "127.0.0.99", 80)
+    assert code == 2  # not a member of this gang: not allowed
+    writer.close()
+
+
+async def test_a_relay_dying_mid_stream_breaks_nothing(gang: Gang) -> None:
+    size = 24 << 20
+    pattern = random.Random(5).randbytes(1 << 20)
+    digest = hashlib.sha256()
+    for _ in range(size >> 20):
+        digest.update(pattern)
+    got = hashlib.sha256()
+    done = asyncio.Event()
+    count = [0]
+
+    async def sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1 << 16):
+            got.update(data)
+            count[0] += len(data)
+        writer.write(b"ok")
+        await writer.drain()
+        writer.close()
+        done.set()
+
+    server = await asyncio.start_server(sink, gang.addresses[1], 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        code, reader, writer = await socks_connect(gang.socks[0], gang.addresses[1], port)
+        assert code == 0
+        home = gang.agents[0].relayed and next(iter(gang.agents[0].relayed.values())).tunnel
+        assert home and home.home is not None
+        carrying = next(r for r in gang.relays if r.name == home.home.name)
+        killed = False
+        for index in range(size >> 20):
+            writer.write(pattern)
+            await writer.drain()
+            if index == (size >> 21) and not killed:
+                await carrying.stop()  # the relay carrying the traffic dies
+                killed = True
+        writer.write_eof()
+        await asyncio.wait_for(done.wait(), 60)
+        assert await reader.read(10) == b"ok"
+        writer.close()
+    assert count[0] == size
+    assert got.hexdigest() == digest.hexdigest()
+    assert home.home is not None and home.home.name != carrying.name
