@@ -7,6 +7,7 @@ import asyncio
 import logging
 import uuid
 
+import msgspec
 from prometheus_client import Counter, Gauge
 
 from libs.bus import Bus, Endpoint, EpochGuard
@@ -30,7 +31,9 @@ HEARTBEATS = Counter("nodus_agent_heartbeats_total", "Heartbeats sent", ["node"]
 JOINS = Counter(
     "nodus_agent_epoch_joins_total", "Join keys handled by outcome", ["node", "outcome"]
 )
-DATAPLANES = Counter("nodus_agent_dataplanes_total", "Relayed dataplanes started", ["node", "outcome"])
+DATAPLANES = Counter(
+    "nodus_agent_dataplanes_total", "Relayed dataplanes started", ["node", "outcome"]
+)
 JOINED = Gauge("nodus_agent_joined_epochs", "Epochs this node is a member of", ["node"])
 
 
@@ -39,6 +42,8 @@ class JoinedEpoch(Record):
     epoch: int
     rank: int
     address: str
+    path: str | None = None  # on Relayed: derp:<region> of the relay in use
+    relay: str | None = None
 
 
 class JoinedReply(Record):
@@ -112,7 +117,14 @@ class Agent:
         return NodeInfoReply(node=self.record())
 
     async def epochs_joined(self, _: NodeInfoRequest) -> JoinedReply:
-        return JoinedReply(node=self.node, epochs=list(self.joined.values()))
+        epochs = []
+        for key, joined in self.joined.items():
+            runtime = self.relayed.get(key)
+            tunnel = runtime.tunnel if runtime is not None and runtime.socks is not None else None
+            if tunnel is not None and tunnel.home is not None:
+                joined = msgspec.structs.replace(joined, path=tunnel.path, relay=tunnel.home.name)
+            epochs.append(joined)
+        return JoinedReply(node=self.node, epochs=epochs)
 
     async def _beat(self) -> None:
         await self.health.put(

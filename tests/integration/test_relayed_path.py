@@ -15,11 +15,11 @@ import pytest
 from libs.bus import Bus
 from libs.bus.server import free_port
 from libs.client.client import Client
-from libs.socks5 import client_connect, client_greeting, parse_reply
 from services.agent.agent import Agent
 from services.relay.relay import Relay
 from tests.conftest import StartPlacer, eventually
 from tests.factories import job, machine
+from tests.socks_client import socks_connect
 
 MESH_KEY = b"m" * 32
 L4 = {"count": 1, "backend": "cuda", "model": "L4"}
@@ -94,20 +94,6 @@ async def gang(bus: Bus, start_placer: StartPlacer) -> AsyncIterator[Gang]:
         await agent.stop()
     for relay in relays:
         await relay.stop()
-
-
-async def socks_connect(
-    socks: tuple[str, int], host: str, port: int
-) -> tuple[int, asyncio.StreamReader, asyncio.StreamWriter]:
-    reader, writer = await asyncio.open_connection(*socks)
-    writer.write(client_greeting())
-    await reader.readexactly(2)
-    writer.write(client_connect(host, port))
-    head = await reader.readexactly(4)
-    rest = await reader.readexactly({1: 4, 4: 16}.get(head[3], 4) + 2)
-    reply = parse_reply(head + rest)
-    assert reply is not None
-    return reply.code, reader, writer
 
 
 async def test_a_program_on_one_member_reaches_a_listener_on_the_other(gang: Gang) -> None:

@@ -1,0 +1,166 @@
+"""Done-when of the Relayed path, with real processes: 512 MiB each way between the two members
+of a Relayed gang through the relays; the relay carrying the traffic is killed (SIGKILL) in
+the middle; every byte arrives intact and in order, on a connection that was never reset."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+
+from libs.bus.server import free_port
+from libs.client.client import Client
+from libs.client.local import LocalSystem
+from libs.contracts import names
+from libs.contracts.api import NodeInfoRequest
+from libs.contracts.jobs import Phase
+from services.agent.agent import JoinedReply
+from tests.factories import job
+from tests.socks_client import socks_connect
+
+pytestmark = pytest.mark.slow
+
+SIZE = 512 << 20
+BLOCK = 1 << 20
+BLOCKS = [random.Random(seed).randbytes(BLOCK) for seed in range(16)]
+
+
+def block(index: int) -> bytes:
+    return BLOCKS[(index * 7 + 3) % len(BLOCKS)]
+
+
+def expected_digest() -> str:
+    digest = hashlib.sha256()
+    for index in range(SIZE // BLOCK):
+        digest.update(block(index))
+    return digest.hexdigest()
+
+
+FLEET = {
+    "machines": [
+        {
+            "name": "vast-a",
+            "provider": "vast",
+            "region": "eu-central-1",
+            "regionClass": "eu",
+            "offering": "container",
+            "address": "127.0.1.31",
+            "pool": "l4",
+            "cluster": "eu",
+            "accelerators": {"count": 1, "backend": "cuda", "model": "L4"},
+        },
+        {
+            "name": "lam-b",
+            "provider": "lambda",
+            "region": "eu-central-1",
+            "regionClass": "eu",
+            "offering": "vm",
+            "address": "127.0.1.32",
+            "pool": "l4",
+            "cluster": "eu",
+            "accelerators": {"count": 1, "backend": "cuda", "model": "L4"},
+        },
+    ]
+}
+
+
+async def joined(client: Client, node: str) -> JoinedReply:
+    return await client.bus.request(
+        names.node_request(node, "epochs"), NodeInfoRequest(), JoinedReply
+    )
+
+
+async def test_512_mib_each_way_survive_the_relay_carrying_them_being_killed(
+    tmp_path: Path,
+) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump(FLEET))
+    system = LocalSystem(
+        fleet_path=fleet, state_dir=tmp_path / "state", nats_port=free_port(), heartbeat_seconds=1.0
+    )
+    await system.start()
+    client = await Client.connect(system.url)
+    try:
+        await client.apply(
+            job(
+                "big",
+                org="acme",
+                accelerators={"model": "L4"},
+                distributed={"members": 2, "transport": "Auto"},
+            )
+        )
+        for _ in range(300):
+            replies = [await joined(client, n) for n in ("vast-a", "lam-b")]
+            if all(r.epochs and r.epochs[0].relay for r in replies):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the members' tunnels never came up")
+        placed = await client.get_job("big")
+        assert placed.status.phase is Phase.PLACED
+        records = {r.inventory.node: r for r, _, _ in await client.list_nodes()}
+        socks = records["vast-a"].socks_endpoint.rsplit(":", 1)
+
+        received = hashlib.sha256()
+        count = [0]
+        server_sent = asyncio.Event()
+        b_done = asyncio.Event()
+
+        async def member_b(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            async def send_back() -> None:
+                for index in range(SIZE // BLOCK):
+                    writer.write(block(index))
+                    await writer.drain()
+                writer.write_eof()
+                server_sent.set()
+
+            sender = asyncio.create_task(send_back())
+            while data := await reader.read(1 << 18):
+                received.update(data)
+                count[0] += len(data)
+            await sender
+            writer.close()
+            b_done.set()
+
+        server = await asyncio.start_server(member_b, "127.0.1.32", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            code, reader, writer = await socks_connect(
+                (socks[0], int(socks[1])), "127.0.1.32", port
+            )
+            assert code == 0
+            home = (await joined(client, "vast-a")).epochs[0].relay
+            carrying = next(c for c in system.children if c.name == home)
+            back = hashlib.sha256()
+            back_count = [0]
+
+            async def read_back() -> None:
+                while data := await reader.read(1 << 18):
+                    back.update(data)
+                    back_count[0] += len(data)
+
+            reading = asyncio.create_task(read_back())
+            for index in range(SIZE // BLOCK):
+                writer.write(block(index))
+                await writer.drain()
+                if index == SIZE // BLOCK // 2:
+                    os.kill(carrying.process.pid, signal.SIGKILL)  # mid-stream
+            writer.write_eof()
+            await asyncio.wait_for(reading, 300)
+            await asyncio.wait_for(server_sent.wait(), 60)
+            await asyncio.wait_for(b_done.wait(), 60)  # member B read everything A sent
+            writer.close()
+        digest = expected_digest()
+        assert count[0] == SIZE and received.hexdigest() == digest
+        assert back_count[0] == SIZE and back.hexdigest() == digest
+        moved = (await joined(client, "vast-a")).epochs[0].relay
+        assert moved is not None and moved != home
+    finally:
+        await client.close()
+        system.stop()
