@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -177,3 +178,141 @@ async def test_a_relay_dying_mid_stream_breaks_nothing(gang: Gang) -> None:
     assert count[0] == size
     assert got.hexdigest() == digest.hexdigest()
     assert home.home is not None and home.home.name != carrying.name
+
+
+class Recording:
+    """Everything the relays read from or write to their sockets."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+
+@pytest.fixture
+def relay_io(monkeypatch: pytest.MonkeyPatch) -> Recording:
+    from libs.relayproto import connection as connection_module
+    from services.relay import relay as relay_module
+
+    recording = Recording()
+    base = connection_module.Connection
+
+    class RecordingConnection(base):  # type: ignore[misc, valid-type]
+        async def read_frames(self):  # type: ignore[no-untyped-def]
+            data = await self.reader.read(connection_module.READ_SIZE)
+            if not data:
+                raise ConnectionResetError("closed by peer")
+            recording.data += data
+            return self.decoder.feed(data)
+
+        async def send(self, frame):  # type: ignore[no-untyped-def]
+            from libs.relayproto import encode
+
+            recording.data += encode(frame)
+            await base.send(self, frame)
+
+    monkeypatch.setattr(relay_module, "Connection", RecordingConnection)
+    return recording
+
+
+async def test_relays_see_only_ciphertext(relay_io: Recording, gang: Gang) -> None:
+    pattern = b"NODUS-PLAINTEXT-PATTERN-0123456789" * 2000
+    got = bytearray()
+
+    async def sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1 << 16):
+            got.extend(data)
+        writer.close()
+
+    server = await asyncio.start_server(sink, gang.addresses[1], 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        code, _, writer = await socks_connect(gang.socks[0], gang.addresses[1], port)
+        assert code == 0
+        for _ in range(8):
+            writer.write(pattern)
+        await writer.drain()
+        writer.write_eof()
+
+        async def delivered() -> bool:
+            return len(got) == 8 * len(pattern)
+
+        await eventually(delivered)
+        writer.close()
+    assert bytes(got) == pattern * 8
+    assert len(relay_io.data) > len(pattern) * 8  # the relays did carry it ...
+    assert b"NODUS-PLAINTEXT" not in relay_io.data  # ... and never saw it (G16)
+
+
+async def test_forged_wireguard_messages_are_dropped_and_counted(gang: Gang) -> None:
+    from prometheus_client import REGISTRY
+
+    runtime_a = next(iter(gang.agents[0].relayed.values()))
+    runtime_b = next(iter(gang.agents[1].relayed.values()))
+    assert runtime_a.tunnel is not None and runtime_b.tunnel is not None
+    home = runtime_a.tunnel.home
+    assert home is not None
+    before = sum(
+        s.value
+        for m in REGISTRY.collect()
+        if m.name == "nodus_agent_wireguard_drops"
+        for s in m.samples
+        if s.name.endswith("_total")
+    )
+    forged = b"\x04\x00\x00\x00" + os.urandom(12) + os.urandom(64) + os.urandom(16)
+    home.send_now(runtime_b.tunnel.device.public_key, forged)
+
+    async def counted() -> bool:
+        after = sum(
+            s.value
+            for m in REGISTRY.collect()
+            if m.name == "nodus_agent_wireguard_drops"
+            for s in m.samples
+            if s.name.endswith("_total")
+        )
+        return after > before
+
+    await eventually(counted)
+    # The gang still works.
+    await test_a_program_on_one_member_reaches_a_listener_on_the_other(gang)
+
+
+async def test_a_replayed_hello_is_refused(gang: Gang) -> None:
+    from libs.relayproto import Challenge, FrameDecoder, Hello, encode, member_proof
+    from libs.relayproto.frames import ErrorFrame
+
+    runtime = next(iter(gang.agents[0].relayed.values()))
+    assert runtime.tunnel is not None
+    device = runtime.tunnel.device
+    relay = gang.relays[0]
+    # A proof made for one challenge ...
+    reader, writer = await asyncio.open_connection(*relay.listen)
+    decoder = FrameDecoder()
+    challenge = decoder.feed(await reader.read(200))[0]
+    assert isinstance(challenge, Challenge)
+    proof = member_proof(
+        device.private_key, challenge.relay_key, challenge.nonce, "acme.rl", 1, "vast-a"
+    )
+    writer.close()
+    # ... replayed against the next challenge is refused.
+    reader, writer = await asyncio.open_connection(*relay.listen)
+    decoder = FrameDecoder()
+    decoder.feed(await reader.read(200))
+    writer.write(encode(Hello("acme.rl", 1, "vast-a", device.public_key, proof)))
+    frames = decoder.feed(await asyncio.wait_for(reader.read(500), 5))
+    assert isinstance(frames[0], ErrorFrame) and frames[0].code == "BadProof"
+    writer.close()
+
+
+async def test_garbage_thrown_at_relays_and_socks_is_survived(gang: Gang) -> None:
+    rng = random.Random(11)
+    targets = [r.listen for r in gang.relays] + list(gang.socks)
+    for _ in range(40):
+        host, port = rng.choice(targets)
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(rng.randbytes(rng.randint(1, 400)))
+        try:
+            await writer.drain()
+            await asyncio.wait_for(reader.read(1000), 1.0)
+        except (TimeoutError, ConnectionError):
+            pass
+        writer.close()
+    await test_a_program_on_one_member_reaches_a_listener_on_the_other(gang)
