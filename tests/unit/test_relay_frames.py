@@ -33,7 +33,7 @@ from libs.tunnel import Link, LinkError
 
 KEY = os.urandom(32)
 WG = b"\x04\x00\x00\x00" + bytes(12) + bytes(32) + bytes(16)
-FRAMES = [
+FRAMES: list[Frame] = [
     Challenge(KEY, os.urandom(32)),
     Hello("acme.rl", 3, "vast-a", KEY, os.urandom(32)),
     Welcome("relay-0", "eu-central", 500_000_000),
