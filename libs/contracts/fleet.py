@@ -84,6 +84,9 @@ class NodeRecord(Record):
     boot_id: str = ""
     # Where the agent serves SOCKS5 to the shim of its ranks (G8 NODUS_NETSHIM_SOCKS).
     socks_endpoint: str = "127.0.0.1:1080"
+    # The most memory the agent gives one member's tunnel buffers; plans needing more are
+    # refused (C3).
+    tunnel_buffer_limit_bytes: int = 64 << 20
 
 
 class NodeHealth(Record):

@@ -53,7 +53,12 @@ class JoinedReply(Record):
 
 class Agent:
     def __init__(
-        self, bus: Bus, machine: Machine, heartbeat_seconds: float = 5.0, socks_endpoint: str = ""
+        self,
+        bus: Bus,
+        machine: Machine,
+        heartbeat_seconds: float = 5.0,
+        socks_endpoint: str = "",
+        tunnel_buffer_limit_bytes: int = 64 << 20,
     ) -> None:
         self.bus = bus
         self.machine = machine
@@ -61,6 +66,7 @@ class Agent:
         self.heartbeat_seconds = heartbeat_seconds
         self.boot_id = str(uuid.uuid4())  # a simulated machine boots when its agent starts
         self.socks_endpoint = socks_endpoint or "127.0.0.1:1080"
+        self.tunnel_buffer_limit_bytes = tunnel_buffer_limit_bytes
         self.nodes = bus.bucket(names.BUCKET_NODES, NodeRecord)
         self.health = bus.bucket(names.BUCKET_HEALTH, NodeHealth)
         self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
@@ -82,6 +88,7 @@ class Agent:
             registered_time=now(),
             boot_id=self.boot_id,
             socks_endpoint=self.socks_endpoint,
+            tunnel_buffer_limit_bytes=self.tunnel_buffer_limit_bytes,
         )
 
     async def start(self) -> None:

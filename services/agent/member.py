@@ -68,7 +68,8 @@ class RelayedMember:
         relays = await pick_relays(self.bus)
         device = WgDevice(self.wg_private)
         bounds = self.epoch.bounds
-        window = max(256 * 1024, min(bounds.tunnel_buffer_bytes or (4 << 20), 16 << 20))
+        # Per stream: the derived per-member buffer (C3), at most 8 MiB so many streams fit.
+        window = max(256 * 1024, min(bounds.tunnel_buffer_bytes or (4 << 20), 8 << 20))
         self.tunnel = Tunnel(
             self.member.node,
             self.epoch.gang,

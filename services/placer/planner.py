@@ -12,7 +12,7 @@ import ipaddress
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from libs.contracts.bounds import RELATIVE_TO_DIRECT
+from libs.contracts.bounds import RELATIVE_TO_DIRECT, derive
 from libs.contracts.errors import ErrorCode
 from libs.contracts.fleet import Inventory, NodeRecord
 from libs.contracts.jobs import Job, PathClass
@@ -361,7 +361,9 @@ class Planner:
         patterns = getattr(self.config.qualified, path.value)
         groups: dict[tuple[object, ...], list[NodeRecord]] = {}
         tried: dict[tuple[object, ...], int] = {}  # group -> size when last searched
-        usable = capable = 0
+        usable = capable = fitting = 0
+        largest_buffer = 0
+        needs = derive(path, members)  # C3: the plan's derived needs, from the one formula
         budget = [SEARCH_BUDGET]
         for record in self._records_for(job, path, candidates):
             inv = record.inventory
@@ -376,6 +378,10 @@ class Planner:
             if self._missing_capabilities(record, path):
                 continue
             capable += 1
+            if record.tunnel_buffer_limit_bytes < needs.tunnel_buffer_bytes:
+                largest_buffer = max(largest_buffer, record.tunnel_buffer_limit_bytes)
+                continue
+            fitting += 1
             advertised = inv.private_address if path is PathClass.PRIVATE else inv.address
             if path is not PathClass.DIRECT and advertised in exclusions.addresses:
                 continue
@@ -397,6 +403,14 @@ class Planner:
         if budget[0] <= 0:
             return None, Shortfall(
                 path, ErrorCode.UNSATISFIABLE, f"{path.value}: search budget exhausted; try again"
+            )
+        if capable and not fitting:
+            return None, Shortfall(
+                path,
+                ErrorCode.BOUNDS_EXCEEDED,
+                f"{path.value}: each member needs {needs.tunnel_buffer_bytes >> 20} MiB of tunnel "
+                f"buffer (its relay rate x RTT, C3); the machines' agents allow at most "
+                f"{largest_buffer >> 20} MiB",
             )
         return None, self._explain(job, path, members, usable, capable, best, patterns)
 

@@ -853,3 +853,22 @@ def test_a_private_gang_may_mix_models_when_the_job_names_none() -> None:
     model_bound = job(accelerators={"model": "H100"}, distributed={"members": 2})
     plan, _ = Planner(config()).plan(model_bound, records)
     assert plan is None
+
+
+def test_c3_a_plan_needing_more_tunnel_buffer_than_agents_allow_is_refused() -> None:
+    small = [
+        container("c1", "10.0.0.1", caps=BASE_CAPS),
+        vm("v1", "10.0.0.2", caps=BASE_CAPS),
+    ]
+    for record in small:
+        record.tunnel_buffer_limit_bytes = 1 << 20
+    relayed = job(distributed={"members": 2, "transport": "Auto"})
+    plan, shortfalls = Planner(config()).plan(relayed, small)
+    assert plan is None
+    refusal = next(s for s in shortfalls if s.path is PathClass.RELAYED)
+    assert refusal.code is ErrorCode.BOUNDS_EXCEEDED
+    assert "14 MiB" in refusal.message and "at most 1 MiB" in refusal.message
+    for record in small:
+        record.tunnel_buffer_limit_bytes = 64 << 20
+    plan, _ = Planner(config()).plan(relayed, small)
+    assert plan is not None and plan.path is PathClass.RELAYED
