@@ -36,6 +36,12 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         help="where this agent serves SOCKS5 to the shim",
     )
     parser.add_argument(
+        "--tunnel-buffer-mib",
+        type=int,
+        default=64,
+        help="memory one Relayed member's tunnel may buffer; plans needing more are refused (C3)",
+    )
+    parser.add_argument(
         "--state-dir", type=Path, help="this machine's files (STATE_DIR/machines/NAME)"
     )
 
@@ -61,7 +67,9 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
             names.BUCKET_RELAYS,
         ],
     )
-    agent = Agent(bus, machine, args.heartbeat_seconds, args.socks_listen)
+    agent = Agent(
+        bus, machine, args.heartbeat_seconds, args.socks_listen, args.tunnel_buffer_mib << 20
+    )
     try:
         await agent.start()
         await stop.wait()
