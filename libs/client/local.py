@@ -43,6 +43,8 @@ class LocalSystem:
     heartbeat_seconds: float = 2.0
     placer_config: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Extra flags for every relay (benchmarks: `--no-rate-limit`); none by default.
+    relay_args: list[str] = field(default_factory=list)
     nats: NatsServer | None = None
     children: list[Child] = field(default_factory=list)
     fleet: Fleet | None = None
@@ -108,6 +110,7 @@ class LocalSystem:
                     others,
                     "--mesh-key-file",
                     str(key_file.resolve()),
+                    *self.relay_args,
                 ],
             )
 

@@ -201,6 +201,10 @@ class _Handler:
         self.dial_timeout = dial_timeout
         self.handshake_timeout = handshake_timeout
         self.on_event = on_event
+        # Strong references to the connections being served: the event loop holds tasks only
+        # weakly, and with uvloop a connection waiting on both half-closed sockets was
+        # otherwise collected mid-splice ("Task was destroyed but it is pending").
+        self.live: set[asyncio.Task[None]] = set()
 
     def emit(self, event: SocksEvent) -> None:
         if self.on_event is not None:
@@ -211,6 +215,10 @@ class _Handler:
 
     async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client = _address(writer.get_extra_info("peername"))
+        task = asyncio.current_task()
+        if task is not None:
+            self.live.add(task)
+            task.add_done_callback(self.live.discard)
         try:
             await self._connection(client, reader, writer)
         except asyncio.CancelledError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge
@@ -109,6 +109,7 @@ class Tunnel:
         self._writable.set()
         self._flush_scheduled = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._held: set[asyncio.Task[None]] = set()
         self._relay_tasks: dict[str, asyncio.Task[None]] = {}
         self.on_path: Callable[[str], None] | None = None
 
@@ -134,7 +135,7 @@ class Tunnel:
         for bridge in list(self.bridges.values()):
             if bridge.writer is not None:
                 bridge.writer.close()
-        tasks = [*self._tasks, *self._relay_tasks.values()]
+        tasks = [*self._tasks, *self._relay_tasks.values(), *self._held]
         tasks += [b.task for b in self.bridges.values() if b.task is not None]
         await cancel_and_wait(tasks)
 
@@ -192,6 +193,12 @@ class Tunnel:
 
     # -- sending -------------------------------------------------------------------------------
 
+    def _background(self, work: Coroutine[object, object, None]) -> None:
+        """Run `work` as a task the tunnel holds on to (the loop keeps only weak references)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._held.add(task)
+        task.add_done_callback(self._held.discard)
+
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -208,7 +215,7 @@ class Tunnel:
                         home.send_now(dst, message)
         if home is not None and home.backlog() > HIGH_WATER and self._writable.is_set():
             self._writable.clear()
-            asyncio.get_running_loop().create_task(self._drain(home))
+            self._background(self._drain(home))
 
     async def _drain(self, relay: RelayClient) -> None:
         await relay.drain()
@@ -304,7 +311,7 @@ class Tunnel:
             bridge.written = 0
         elif not bridge.draining:
             bridge.draining = True
-            asyncio.get_running_loop().create_task(self._grant_after_drain(bridge))
+            self._background(self._grant_after_drain(bridge))
 
     async def _grant_after_drain(self, bridge: Bridge) -> None:
         try:

@@ -265,6 +265,17 @@ def test_threads_fork_and_child_processes(run: Run, socks: Socks, echo: Listener
     carried(socks, echo, count=37)
 
 
+def test_the_endpoint_finishes_every_connection_it_splices(
+    run: Run, socks: Socks, echo: Listener
+) -> None:
+    """Many short connections at once: each one the endpoint carried also ends there (a
+    connection task collected mid-splice under uvloop once left some open forever)."""
+    for _ in range(5):
+        out = run(nbconnect("threads", PEER, echo.port, 64), socks=socks.address).line
+        assert out["ok"] == 64
+    carried(socks, echo, count=5 * 64)
+
+
 def test_retry_on_the_same_fd_after_econnrefused(
     run: Run, socks: Socks, listen: StartListener, shim: Path
 ) -> None:
