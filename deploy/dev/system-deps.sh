@@ -18,6 +18,8 @@ WANTED=(
   "util-linux:nsenter"
   "wireguard-go:wireguard-go"
   "wireguard-tools:wg"
+  # The Relayed-path bench (tests/bench/relay.py): socat as the plain relay baseline.
+  "socat:socat"
 )
 
 missing=()

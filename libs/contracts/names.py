@@ -26,6 +26,8 @@ BUCKET_RANKTABLES = "nodus-ranktables"  # org.name -> Ranktable; the bucket is t
 BUCKET_REDEEMED = "nodus-redeemed"  # node.nonce -> JoinRedemption: a join key is used once
 BUCKET_MEMBERS = "nodus-members"  # org.name.epoch.node -> Member (the node's WireGuard key)
 BUCKET_RELAYS = "nodus-relays"  # relay name -> RelayRecord
+BUCKET_PROBES = "nodus-probes"  # org.name.epoch -> ProbeRecord
+BUCKET_RANKS = "nodus-ranks"  # org.name.epoch.rank -> RankStatus
 
 ALL_BUCKETS = [
     BUCKET_JOBS,
@@ -39,6 +41,8 @@ ALL_BUCKETS = [
     BUCKET_REDEEMED,
     BUCKET_MEMBERS,
     BUCKET_RELAYS,
+    BUCKET_PROBES,
+    BUCKET_RANKS,
 ]
 
 # Usage stream: bytes members sent through relays, de-duplicated by message id (G17).
@@ -83,3 +87,7 @@ def address_key(address: str) -> str:
 
 def redeemed_key(node: str, nonce: str) -> str:
     return f"{node}.{nonce}"
+
+
+def rank_key(gang: str, epoch: int, rank: int) -> str:
+    return f"{gang}.{epoch}.{rank}"

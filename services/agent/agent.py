@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import uuid
+from pathlib import Path
 
 import msgspec
 from prometheus_client import Counter, Gauge
@@ -22,6 +24,7 @@ from libs.contracts.relay import Member
 from libs.mesh import verify_join_key
 from libs.runtime.tasks import cancel_and_wait
 from libs.wg import generate_private_key, key_to_base64, public_key
+from services.agent.gangwork import GangWork
 from services.agent.inventory import AGENT_VERSION, capabilities_of, inventory_of
 from services.agent.member import RelayedMember
 
@@ -59,6 +62,7 @@ class Agent:
         heartbeat_seconds: float = 5.0,
         socks_endpoint: str = "",
         tunnel_buffer_limit_bytes: int = 64 << 20,
+        state_dir: Path | None = None,
     ) -> None:
         self.bus = bus
         self.machine = machine
@@ -79,6 +83,14 @@ class Agent:
         self._wg_keys: dict[str, bytes] = {}  # "gang.epoch" -> this node's WireGuard key
         self._starting: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
+        state = state_dir or Path(tempfile.gettempdir()) / "nodus" / self.node
+        self.gangs = GangWork(bus, self.node, state / "logs", self._path_of)
+
+    def _path_of(self, gang: str, epoch: int) -> str | None:
+        for runtime in self.relayed.values():
+            if (runtime.epoch.gang, runtime.epoch.epoch) == (gang, epoch) and runtime.tunnel:
+                return runtime.tunnel.path
+        return None
 
     def record(self) -> NodeRecord:
         return NodeRecord(
@@ -104,6 +116,7 @@ class Agent:
                     NodeInfoRequest,
                     self.epochs_joined,
                 ),
+                *self.gangs.endpoints(),
             ],
         )
         await self.nodes.put(self.node, self.record())
@@ -116,6 +129,7 @@ class Agent:
 
     async def stop(self) -> None:
         await cancel_and_wait([*self._tasks, *self._starting])
+        await self.gangs.close()
         for runtime in self.relayed.values():
             await runtime.stop()
         self.relayed.clear()
@@ -152,6 +166,8 @@ class Agent:
         async for change in self.joinkeys.watch(f"{self.node}.>"):
             if change.value is None:
                 left = self.joined.pop(change.key, None)
+                if left is not None:  # the epoch is fenced or deleted: its ranks stop (G9)
+                    await self.gangs.stop_epoch(left.gang, left.epoch)
                 runtime = self.relayed.pop(change.key, None)
                 if runtime is not None:
                     await runtime.stop()

@@ -65,10 +65,17 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
             names.BUCKET_REDEEMED,
             names.BUCKET_MEMBERS,
             names.BUCKET_RELAYS,
+            names.BUCKET_JOBS,
+            names.BUCKET_RANKS,
         ],
     )
     agent = Agent(
-        bus, machine, args.heartbeat_seconds, args.socks_listen, args.tunnel_buffer_mib << 20
+        bus,
+        machine,
+        args.heartbeat_seconds,
+        args.socks_listen,
+        args.tunnel_buffer_mib << 20,
+        state_dir=args.state_dir,
     )
     try:
         await agent.start()

@@ -152,6 +152,7 @@ class _UdpEchoHandler(socketserver.BaseRequestHandler):
 class _TCP(_Recording, socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 256  # the default 5 drops bursts of connects: SYN retries, seconds
 
 
 class _TCP6(_TCP):

@@ -1,0 +1,164 @@
+"""A multi-rank all-reduce that uses its environment the way torch.distributed does.
+
+Rendezvous at MASTER_ADDR:MASTER_PORT (rank 0 keeps the store, like torchrun's TCPStore), then
+every rank listens on an ephemeral port of its own address (as NCCL and Gloo do) and the ranks
+form a ring over TCP. It all-reduces a vector, checks the sum on every rank, and prints one
+JSON line with the bus bandwidth (as nccl-tests defines it). Exit code 0 only if verified.
+
+    MASTER_ADDR MASTER_PORT RANK|NODE_RANK WORLD_SIZE NODUS_NODE_IPS  (set by Nodus)
+    ALLREDUCE_MIB (default 16)  ALLREDUCE_ITERS (default 3)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import sys
+import time
+from array import array
+
+HEADER = struct.Struct(">II")
+
+
+def env_int(*names: str, default: int | None = None) -> int:
+    for name in names:
+        if name in os.environ:
+            return int(os.environ[name])
+    if default is None:
+        raise SystemExit(f"allreduce: none of {names} is set")
+    return default
+
+
+def connect_retry(address: tuple[str, int], deadline: float) -> socket.socket:
+    """Like NCCL and the TCPStore: a refused connection is retried until the peer listens."""
+    while True:
+        try:
+            return socket.create_connection(address, timeout=30)
+        except (ConnectionRefusedError, TimeoutError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def recv_exact(sock: socket.socket, size: int) -> bytes:
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise ConnectionError("peer closed mid-message")
+        got += n
+    return bytes(buffer)
+
+
+def rendezvous(rank: int, world: int, own: str, master: tuple[str, int]) -> tuple[socket.socket, socket.socket]:
+    """Return (to_next, from_prev) sockets of the ring."""
+    listener = socket.socket(socket.AF_INET6 if ":" in own else socket.AF_INET)
+    listener.bind((own, 0))  # an ephemeral port, as NCCL's bootstrap does
+    listener.listen(4)
+    my_port = listener.getsockname()[1]
+    deadline = time.monotonic() + 120
+    if rank == 0:
+        store = socket.socket(socket.AF_INET6 if ":" in master[0] else socket.AF_INET)
+        store.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        store.bind(master)
+        store.listen(world)
+        table = {0: (own, my_port)}
+        clients = []
+        while len(table) < world:
+            conn, _ = store.accept()
+            peer_rank, port = HEADER.unpack(recv_exact(conn, HEADER.size))
+            (length,) = struct.unpack(">I", recv_exact(conn, 4))
+            table[peer_rank] = (recv_exact(conn, length).decode(), port)
+            clients.append(conn)
+        blob = json.dumps({str(k): v for k, v in table.items()}).encode()
+        for conn in clients:
+            conn.sendall(struct.pack(">I", len(blob)) + blob)
+            conn.close()
+        store.close()
+    else:
+        conn = connect_retry(master, deadline)
+        address = own.encode()
+        conn.sendall(HEADER.pack(rank, my_port) + struct.pack(">I", len(address)) + address)
+        (length,) = struct.unpack(">I", recv_exact(conn, 4))
+        table = {int(k): tuple(v) for k, v in json.loads(recv_exact(conn, length)).items()}
+        conn.close()
+    nxt = table[(rank + 1) % world]
+    to_next = connect_retry((str(nxt[0]), int(nxt[1])), deadline)
+    from_prev, _ = listener.accept()
+    listener.close()
+    for sock in (to_next, from_prev):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return to_next, from_prev
+
+
+def ring_allreduce(data: array, rank: int, world: int, to_next: socket.socket, from_prev: socket.socket) -> None:
+    """Reduce-scatter then all-gather, 2(W-1) steps of N/W elements each."""
+    n = len(data)
+    bounds = [n * i // world for i in range(world + 1)]
+    item = data.itemsize
+
+    def chunk(i: int) -> tuple[int, int]:
+        i %= world
+        return bounds[i], bounds[i + 1]
+
+    view = memoryview(data).cast("B")
+    for step in range(world - 1):  # reduce-scatter
+        s0, s1 = chunk(rank - step)
+        r0, r1 = chunk(rank - step - 1)
+        to_next.sendall(view[s0 * item : s1 * item])
+        incoming = array(data.typecode, recv_exact(from_prev, (r1 - r0) * item))
+        data[r0:r1] = array(data.typecode, map(float.__add__, data[r0:r1], incoming))
+    for step in range(world - 1):  # all-gather
+        s0, s1 = chunk(rank + 1 - step)
+        r0, r1 = chunk(rank - step)
+        to_next.sendall(view[s0 * item : s1 * item])
+        data[r0:r1] = array(data.typecode, recv_exact(from_prev, (r1 - r0) * item))
+
+
+def main() -> int:
+    rank = env_int("RANK", "NODE_RANK", "PET_NODE_RANK")
+    world = env_int("WORLD_SIZE", "PET_NNODES")
+    master = (os.environ["MASTER_ADDR"], env_int("MASTER_PORT", default=29500))
+    ips = os.environ.get("NODUS_NODE_IPS", "").split(",")
+    own = ips[rank] if len(ips) == world else socket.gethostbyname(socket.gethostname())
+    size = env_int("ALLREDUCE_MIB", default=16) << 20
+    iterations = env_int("ALLREDUCE_ITERS", default=3)
+    count = size // 8
+
+    started = time.monotonic()
+    to_next, from_prev = rendezvous(rank, world, own, master)
+    connected = time.monotonic() - started
+    expected = [float(sum(r + (i % 7) for r in range(world))) for i in range(7)]
+    times = []
+    ok = True
+    for _ in range(iterations + 1):  # the first is a warm-up
+        data = array("d", (float(rank + (i % 7)) for i in range(count)))
+        t0 = time.monotonic()
+        ring_allreduce(data, rank, world, to_next, from_prev)
+        times.append(time.monotonic() - t0)
+        ok &= all(data[i] == expected[i % 7] for i in range(0, count, max(1, count // 4096)))
+        ok &= data[count - 1] == expected[(count - 1) % 7]
+    to_next.close()
+    from_prev.close()
+    best = min(times[1:]) if len(times) > 1 else times[0]
+    algbw = size / best / 1e9 * 8
+    report = {
+        "rank": rank,
+        "world": world,
+        "bytes": size,
+        "seconds": round(best, 4),
+        "algGbps": round(algbw, 4),
+        "busGbps": round(algbw * 2 * (world - 1) / world, 4),
+        "rendezvousSeconds": round(connected, 3),
+        "verified": ok,
+    }
+    print(json.dumps(report), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

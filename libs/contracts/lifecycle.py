@@ -1,0 +1,103 @@
+"""A gang's life after placement: probes per pair (G10, G11), ranks and their exits."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from libs.contracts.base import Name, Record
+
+
+class PairResult(Record):
+    """One measured pair: the slowest of these is the gang's probe (G11)."""
+
+    a: Name
+    b: Name
+    ok: bool
+    rtt_ms: float = 0.0
+    tcp_gbps: float = 0.0
+    path: str = ""  # direct | derp:<region>
+    connections: int = 0  # fresh TCP connections that succeeded during readiness
+    error: str | None = None
+    measured_time: datetime | None = None
+
+
+class ProbeRecord(Record):
+    """KV `nodus-probes`, key `org.name.epoch`: created once (one prober replica runs it)."""
+
+    gang: str
+    epoch: int
+    state: Literal["Running", "Qualified", "Failed"]
+    prober: str
+    started_time: datetime
+    rounds: int
+    pairs: list[PairResult] = []
+    finished_time: datetime | None = None
+    reason: str | None = None
+
+
+class RankStatus(Record):
+    """KV `nodus-ranks`, key `org.name.epoch.rank`: written by the agent that runs the rank."""
+
+    gang: str
+    epoch: int
+    rank: int
+    node: Name
+    state: Literal["Running", "Exited", "Stopped"]
+    started_time: datetime
+    exit_code: int | None = None
+    ended_time: datetime | None = None
+    log: str = ""  # where the agent keeps the rank's output
+
+
+class ProbeServeRequest(Record):
+    gang: str
+    epoch: int
+
+
+class ProbeServeReply(Record):
+    address: str
+    port: int
+
+
+class ProbePairRequest(Record):
+    """Asks member `a` to probe its peer at address:port through the workload's path."""
+
+    gang: str
+    epoch: int
+    peer: Name
+    address: str
+    port: int
+    connections: int = 3
+    sample_seconds: float = 10.0
+    readiness_seconds: float = 60.0
+    measure: bool = True
+
+
+class LaunchRequest(Record):
+    gang: str
+    epoch: int
+    rank: int
+
+
+class LaunchReply(Record):
+    started: bool
+
+
+class LogsRequest(Record):
+    gang: str
+    epoch: int
+    rank: int
+    offset: int = 0
+    limit: int = 1 << 20
+
+
+class LogsReply(Record):
+    data: str
+    offset: int  # where the next read continues
+    state: str
+
+
+class StopRequest(Record):
+    gang: str
+    epoch: int

@@ -1,0 +1,206 @@
+"""What an agent does for the gangs it belongs to once placed: serve and run probes (G10), run
+the shim self-test with the image's launcher (G10.3), launch and stop ranks, hand out logs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from libs.bus import Bus, Endpoint
+from libs.contracts import names
+from libs.contracts.base import now
+from libs.contracts.epochs import Epoch, EpochMember
+from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.jobs import Job, PathClass
+from libs.contracts.lifecycle import (
+    LaunchReply,
+    LaunchRequest,
+    LogsReply,
+    LogsRequest,
+    PairResult,
+    ProbePairRequest,
+    ProbeServeReply,
+    ProbeServeRequest,
+    RankStatus,
+    StopRequest,
+)
+from services.agent.ranks import RankRunner
+from services.prober.member import ProbeServer
+
+log = logging.getLogger("nodus.agent.gang")
+REPO = str(Path(__file__).resolve().parents[2])  # where `services.prober.member` imports from
+
+
+class ShimCheckReply(PairResult):
+    """Reuses PairResult's fields: ok, error (ShimNotLoaded: why and what to do)."""
+
+
+class GangWork:
+    def __init__(
+        self, bus: Bus, node: str, log_dir: Path, path_of: Callable[[str, int], str | None]
+    ) -> None:
+        self.bus = bus
+        self.node = node
+        self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
+        self.jobs = bus.bucket(names.BUCKET_JOBS, Job)
+        self.runner = RankRunner(node, bus.bucket(names.BUCKET_RANKS, RankStatus), log_dir)
+        self.servers: dict[tuple[str, int], ProbeServer] = {}
+        self.path_of = path_of  # the tunnel's path (derp:<region>) on the Relayed path
+
+    def endpoints(self) -> list[Endpoint]:  # type: ignore[type-arg]
+        def verb(name: str) -> str:
+            return names.node_request(self.node, name)
+
+        return [
+            Endpoint("probe-serve", verb("probe-serve"), ProbeServeRequest, self.probe_serve),
+            Endpoint(
+                "probe-pair", verb("probe-pair"), ProbePairRequest, self.probe_pair, concurrency=8
+            ),
+            Endpoint(
+                "shim-check", verb("shim-check"), ProbeServeRequest, self.shim_check, concurrency=4
+            ),
+            Endpoint("launch", verb("launch"), LaunchRequest, self.launch),
+            Endpoint("logs", verb("logs"), LogsRequest, self.logs),
+            Endpoint("stop", verb("stop"), StopRequest, self.stop),
+        ]
+
+    async def _member(self, gang: str, epoch: int) -> tuple[Epoch, EpochMember]:
+        stored = await self.epochs.get(names.epoch_key(gang, epoch))
+        if stored is None:
+            raise NodusError(ErrorCode.EPOCH_MISMATCH, f"{gang} epoch {epoch} is not persisted")
+        if stored.value.fenced:
+            raise NodusError(ErrorCode.STALE_EPOCH, f"{gang} epoch {epoch} is fenced")
+        member = next((m for m in stored.value.members if m.node == self.node), None)
+        if member is None:
+            raise NodusError(
+                ErrorCode.NOT_FOUND, f"{self.node} is not a member of {gang} epoch {epoch}"
+            )
+        return stored.value, member
+
+    async def probe_serve(self, request: ProbeServeRequest) -> ProbeServeReply:
+        _, member = await self._member(request.gang, request.epoch)
+        key = (request.gang, request.epoch)
+        if key not in self.servers:
+            server = ProbeServer(member.address)
+            await server.start()
+            self.servers[key] = server
+        return ProbeServeReply(address=member.address, port=self.servers[key].port)
+
+    async def probe_pair(self, request: ProbePairRequest) -> PairResult:
+        """Probe one peer from a separate process with this rank's environment: on the Relayed
+        path its connections go through the shim, SOCKS5 and the relays, as the workload's do."""
+        epoch, member = await self._member(request.gang, request.epoch)
+        command = [
+            sys.executable,
+            "-m",
+            "services.prober.member",
+            "--address",
+            request.address,
+            "--port",
+            str(request.port),
+            "--connections",
+            str(request.connections),
+            "--seconds",
+            str(request.sample_seconds),
+            "--readiness",
+            str(request.readiness_seconds),
+        ]
+        if not request.measure:
+            command.append("--no-measure")
+        env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "PYTHONPATH")}
+        env.update(member.env)
+        process = await asyncio.create_subprocess_exec(
+            *command,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=REPO,
+        )
+        timeout = request.readiness_seconds + request.sample_seconds + 30
+        try:
+            stdout, stderr = await asyncio.wait_for(process.communicate(), timeout)
+        except TimeoutError:
+            process.kill()
+            return PairResult(a=self.node, b=request.peer, ok=False, error="probe timed out")
+        try:
+            result = json.loads(stdout.decode().strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            detail = stderr.decode(errors="replace").strip()[-400:]
+            return PairResult(
+                a=self.node, b=request.peer, ok=False, error=f"probe crashed: {detail}"
+            )
+        path = "direct"
+        if epoch.path is PathClass.RELAYED:
+            path = self.path_of(request.gang, request.epoch) or "derp:unknown"
+        return PairResult(
+            a=self.node,
+            b=request.peer,
+            ok=result["error"] is None,
+            rtt_ms=result["rttMs"],
+            tcp_gbps=result["tcpGbps"],
+            path=path,
+            connections=result["connections"],
+            error=result["error"],
+            measured_time=now(),
+        )
+
+    async def shim_check(self, request: ProbeServeRequest) -> ShimCheckReply:
+        """G10.3: the image's own launcher (the command's first word) must load the shim."""
+        from libs.netshim import NetshimCheckError, self_test_async
+
+        job = await self.jobs.get(request.gang)
+        if job is None:
+            raise NodusError(ErrorCode.NOT_FOUND, f"job {request.gang} not found")
+        launcher = job.value.spec.command[:1]
+        try:
+            result = await self_test_async(launcher, timeout=20)
+        except NetshimCheckError as error:
+            return ShimCheckReply(a=self.node, b=self.node, ok=False, error=f"CheckFailed: {error}")
+        return ShimCheckReply(
+            a=self.node,
+            b=self.node,
+            ok=result.ok,
+            error=None if result.ok else f"{result.reason}: {result.message}",
+        )
+
+    async def launch(self, request: LaunchRequest) -> LaunchReply:
+        _, member = await self._member(request.gang, request.epoch)
+        if member.rank != request.rank:
+            raise NodusError(
+                ErrorCode.INVALID, f"{self.node} is rank {member.rank}, not {request.rank}"
+            )
+        job = await self.jobs.get(request.gang)
+        if job is None:
+            raise NodusError(ErrorCode.NOT_FOUND, f"job {request.gang} not found")
+        started = await self.runner.launch(
+            request.gang, request.epoch, request.rank, job.value.spec.command, member.env
+        )
+        return LaunchReply(started=started)
+
+    async def logs(self, request: LogsRequest) -> LogsReply:
+        data, offset = self.runner.read_log(
+            request.gang, request.epoch, request.rank, request.offset, request.limit
+        )
+        entry = self.runner.running.get(names.rank_key(request.gang, request.epoch, request.rank))
+        return LogsReply(data=data, offset=offset, state=entry.status.state if entry else "Unknown")
+
+    async def stop(self, request: StopRequest) -> LaunchReply:
+        stopped = await self.stop_epoch(request.gang, request.epoch)
+        return LaunchReply(started=stopped > 0)
+
+    async def stop_epoch(self, gang: str, epoch: int) -> int:
+        server = self.servers.pop((gang, epoch), None)
+        if server is not None:
+            await server.stop()
+        return await self.runner.stop(gang, epoch)
+
+    async def close(self) -> None:
+        for server in self.servers.values():
+            await server.stop()
+        self.servers.clear()
+        await self.runner.stop_all()
