@@ -123,7 +123,8 @@ class Bucket(Generic[T]):
         result: dict[str, Versioned[T]] = {}
         if not await self._matches_anything(keys):
             return result
-        watcher = await self._kv.watch(keys)
+        # A short inactivity threshold: the server drops this one-shot consumer soon after.
+        watcher = await self._kv.watch(keys, inactive_threshold=5.0)
         try:
             while True:
                 entry = await watcher.updates(timeout=5.0)

@@ -76,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     _output_flag(env, "json")
     _client_flags(env)
 
+    logs = sub.add_parser("logs", help="a rank's output")
+    logs.add_argument("name")
+    logs.add_argument("--rank", type=int, required=True)
+    logs.add_argument(
+        "-f", "--follow", action="store_true", help="keep printing until the rank ends"
+    )
+    _client_flags(logs)
+
     delete = sub.add_parser("delete", help="delete a job: fence its epoch and free its machines")
     delete.add_argument("kind", choices=["job"])
     delete.add_argument("name")
@@ -90,11 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from services.agent.main import build_parser as agent_parser
     from services.placer.main import build_parser as placer_parser
+    from services.prober.main import build_parser as prober_parser
     from services.relay.main import build_parser as relay_parser
 
     placer_parser(sub.add_parser("placer", help="daemon: admission and placement"))
     agent_parser(sub.add_parser("agent", help="daemon: the per-machine agent"))
     relay_parser(sub.add_parser("relay", help="daemon: a relay for Relayed gangs"))
+    prober_parser(sub.add_parser("prober", help="daemon: probes, qualification, the gang's run"))
     return parser
 
 
@@ -108,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.agent.main import run as run_agent
 
         return run_agent(args)
+    if args.command == "prober":
+        from services.prober.main import run as run_prober
+
+        return run_prober(args)
     if args.command == "relay":
         from services.relay.main import run as run_relay
 
@@ -121,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "env": _env,
         "delete": _delete,
         "usage": _usage,
+        "logs": _logs,
         "up": _up,
         "demo": _demo,
     }
@@ -395,6 +410,23 @@ async def _env(args: argparse.Namespace) -> int:
             for key in sorted(env):
                 print(f"{key}={env[key]}")
         return 0
+
+    return await _with_client(args, body)
+
+
+async def _logs(args: argparse.Namespace) -> int:
+    async def body(client: Any) -> int:
+        offset = 0
+        while True:
+            reply = await client.logs(args.name, args.rank, offset, args.org)
+            if reply.data:
+                sys.stdout.write(reply.data)
+                sys.stdout.flush()
+            offset = reply.offset
+            if not args.follow or (reply.state != "Running" and not reply.data):
+                return 0
+            if not reply.data:
+                await asyncio.sleep(0.5)
 
     return await _with_client(args, body)
 

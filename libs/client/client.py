@@ -18,6 +18,7 @@ from libs.contracts.epochs import Epoch, Lease, Ranktable
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.jobs import Job, JobEvent
+from libs.contracts.lifecycle import LogsReply, LogsRequest, ProbeRecord
 from libs.contracts.relay import UsageRecord
 
 CLIENT_BUCKETS = [
@@ -27,6 +28,7 @@ CLIENT_BUCKETS = [
     names.BUCKET_LEASES,
     names.BUCKET_EPOCHS,
     names.BUCKET_RANKTABLES,
+    names.BUCKET_PROBES,
 ]
 
 
@@ -161,6 +163,29 @@ class Client:
         raise NodusError(
             ErrorCode.NOT_FOUND, f"job {name} has ranks 0..{len(epoch.members) - 1}, not {rank}"
         )
+
+    async def logs(
+        self, name: str, rank: int, offset: int = 0, org: str | None = None
+    ) -> LogsReply:
+        """A rank's output, from the agent that runs it."""
+        job = await self.get_job(name, org)
+        epoch = await self.epoch(job)
+        member = next((m for m in epoch.members if m.rank == rank), None)
+        if member is None:
+            raise NodusError(
+                ErrorCode.NOT_FOUND, f"job {name} has ranks 0..{len(epoch.members) - 1}, not {rank}"
+            )
+        return await self.bus.request(
+            names.node_request(member.node, "logs"),
+            LogsRequest(gang=job.key, epoch=epoch.epoch, rank=rank, offset=offset),
+            LogsReply,
+        )
+
+    async def probe(self, job: Job) -> ProbeRecord | None:
+        found = await self.bus.bucket(names.BUCKET_PROBES, ProbeRecord).get(
+            names.epoch_key(job.key, job.status.epoch)
+        )
+        return found.value if found else None
 
     async def list_nodes(self) -> list[tuple[NodeRecord, NodeHealth | None, str | None]]:
         """Every registered node, its last heartbeat, and the gang holding it."""

@@ -40,6 +40,7 @@ class LocalSystem:
     nats_port: int = 4222
     placers: int = 1
     relays: int = 2
+    probe_seconds: float = 10.0
     heartbeat_seconds: float = 2.0
     placer_config: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -147,6 +148,10 @@ class LocalSystem:
             for index in range(self.placers):
                 self.start_placer(index)
             self.start_relays()
+            self._spawn(
+                "prober-0",
+                ["prober", "--replica", "prober-0", "--sample-seconds", str(self.probe_seconds)],
+            )
             for machine in self.fleet.machines:
                 self.machine_dir(machine.name).mkdir(parents=True, exist_ok=True)
                 self.start_agent(machine.name, free_port())

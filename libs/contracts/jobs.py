@@ -125,6 +125,10 @@ class JobStatus(Record):
     placed_by: str | None = None
     created_time: datetime | None = None
     placed_time: datetime | None = None
+    run_started_time: datetime | None = None
+    finished_time: datetime | None = None
+    # Machines a re-placement avoids: a pair that failed its probe, a member that was lost.
+    avoid: list[str] = []
 
 
 class Job(Record):

@@ -19,6 +19,7 @@ class PairResult(Record):
     path: str = ""  # direct | derp:<region>
     connections: int = 0  # fresh TCP connections that succeeded during readiness
     error: str | None = None
+    suspect: Name | None = None  # the member a failure points at; a re-placement avoids it
     measured_time: datetime | None = None
 
 

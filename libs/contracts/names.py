@@ -91,3 +91,52 @@ def redeemed_key(node: str, nonce: str) -> str:
 
 def rank_key(gang: str, epoch: int, rank: int) -> str:
     return f"{gang}.{epoch}.{rank}"
+
+
+# -- Automated node repair (issue 6, R1-R16) ---------------------------------------------------
+
+API_REMEDIATION_APPROVE = "nodus.api.remediation.approve"
+API_REMEDIATION_CANCEL = "nodus.api.remediation.cancel"
+API_REMEDIATION_REQUEST = "nodus.api.remediation.request"  # external detectors (R8)
+API_REMEDIATION_BREAKER_RESET = "nodus.api.remediation.breaker.reset"
+
+BUCKET_SIGNALS = "nodus-signals"  # node.source -> SignalReport (level-triggered findings)
+BUCKET_ALERTS = "nodus-alerts"  # alert id -> Alert
+BUCKET_RECOMMENDATIONS = "nodus-recommendations"  # alert id -> Recommendation
+BUCKET_REMEDIATIONS = "nodus-remediations"  # remediation id -> Remediation
+BUCKET_REMEDIATION_POLICY = "nodus-remediation-policy"  # default | cluster.<c> -> Policy
+BUCKET_LADDERS = "nodus-ladders"  # node.cluster.kind.xid -> Ladder
+BUCKET_BREAKERS = "nodus-breakers"  # cluster -> Breaker
+BUCKET_CORDONS = "nodus-cordons"  # node -> Cordon (the placer skips cordoned nodes)
+BUCKET_REPAIR_SLOTS = "nodus-repair-slots"  # node.<n> | pool.<p> | cluster.<c> -> RepairSlots
+BUCKET_MACHINES = "nodus-machines"  # node -> MachineState (the local machine provider)
+BUCKET_HOSTS = "nodus-hosts"  # host id -> HostRecord (hosts in revalidation, R15)
+
+REMEDIATION_BUCKETS = [
+    BUCKET_SIGNALS,
+    BUCKET_ALERTS,
+    BUCKET_RECOMMENDATIONS,
+    BUCKET_REMEDIATIONS,
+    BUCKET_REMEDIATION_POLICY,
+    BUCKET_LADDERS,
+    BUCKET_BREAKERS,
+    BUCKET_CORDONS,
+    BUCKET_REPAIR_SLOTS,
+    BUCKET_MACHINES,
+    BUCKET_HOSTS,
+]
+ALL_BUCKETS += [BUCKET_CORDONS]  # the placer reads cordons
+
+
+def signal_key(node: str, source: str) -> str:
+    """Under the node's own prefix, so NATS permissions can scope a writer to it (S1)."""
+    return f"{node}.{source}"
+
+
+def alert_event(node: str, kind: str) -> str:
+    """Alert notifications on the events stream: the same Alert record as the CLI and API."""
+    return f"nodus.evt.alert.{node}.{kind}"
+
+
+def remediation_event(node: str, state: str) -> str:
+    return f"nodus.evt.remediation.{node}.{state}"

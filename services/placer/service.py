@@ -234,6 +234,10 @@ class Placer:
             if job is None or job.status.phase is not Phase.PENDING:
                 continue
             if job.status.placed_by == self.replica:
+                if job.status.epoch and change.key not in self._in_flight:
+                    self._enqueue(
+                        change.key
+                    )  # sent back for a new epoch (probe failed, member lost)
                 continue
             asyncio.get_running_loop().call_later(
                 self.config.takeover_seconds, self._enqueue, change.key
@@ -327,6 +331,12 @@ class Placer:
             if current is None or current.value.status.phase is not Phase.PENDING:
                 self._waiting.discard(key)
                 return
+            old_epoch = current.value.status.epoch
+            if old_epoch:
+                # A restart fences the old epoch first (G9): its members reach nobody any more,
+                # its machines are free again; then the next epoch is placed.
+                await self._teardown(key, old_epoch)
+            exclusions.nodes |= set(current.value.status.avoid)
             mesh = MeshIdentity()
             plan, shortfalls = self.planner.plan(
                 current.value, self.view.free, exclusions, mesh.mesh_id

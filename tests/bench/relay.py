@@ -149,6 +149,13 @@ def spawn_socat(port: int, target: str) -> subprocess.Popen[bytes]:
     )
 
 
+def machine_busy() -> float:
+    """CPU seconds every CPU of this machine has spent not idle (all processes, ours too)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / CLK_TCK
+
+
 def _stat(pid: int) -> list[str] | None:
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
@@ -308,10 +315,10 @@ async def stream(
     try:
         await _sleep_until(t0 + warmup)
         start = (time.monotonic(), {n: f.received for n, f in flows.items()})
-        cpu0, own0 = cpu_seconds(procs), time.process_time()
+        cpu0, own0, busy0 = cpu_seconds(procs), time.process_time(), machine_busy()
         await _sleep_until(t0 + seconds)
         end = (time.monotonic(), {n: f.received for n, f in flows.items()})
-        cpu1, own1 = cpu_seconds(procs), time.process_time()
+        cpu1, own1, busy1 = cpu_seconds(procs), time.process_time(), machine_busy()
         await asyncio.wait_for(asyncio.gather(*senders), drain + 10)
         acted = await asyncio.wait_for(acting, 60) if acting is not None else None
     finally:
@@ -341,6 +348,10 @@ async def stream(
         "relay_cpu_s_per_gbit": per_gbit(cpu, "relay", gbits),
         "agent_cpu_s_per_gbit": per_gbit(cpu, "agent", gbits),
         "harness_cpu_s_per_gbit": round((own1 - own0) / gbits, 3) if gbits else None,
+        # How busy the machine was, and how much of that was neither the measured processes
+        # nor this harness (other programs on a shared machine skew every figure).
+        "machine_busy_cores": round((busy1 - busy0) / window, 2),
+        "others_busy_cores": round((busy1 - busy0 - sum(cpu.values()) - (own1 - own0)) / window, 2),
     }
     for name, flow in flows.items():
         if not result["flows"][name]["intact"]:

@@ -1,0 +1,52 @@
+"""`nodus prober`: probes placed epochs, qualifies their network, runs the gang to the end."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from libs.bus import Bus
+from libs.contracts import names
+from libs.runtime import add_common_flags, run_daemon
+from services.prober.service import Prober
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Before a gang's command starts, every member checks its path to every other member "
+        "(3 fresh TCP connections each way, RTT, a TCP throughput sample, the path class) in "
+        "rounds; the slowest pair is published and sets NetworkQualified; then the ranks are "
+        "launched and watched to the end. Run several replicas: each epoch is probed once."
+    )
+    add_common_flags(parser, metrics_port=0)
+    parser.add_argument("--replica", help="this replica's name in records (default: random)")
+    parser.add_argument(
+        "--sample-seconds",
+        type=float,
+        default=10.0,
+        help="TCP throughput sample per pair (default 10)",
+    )
+    parser.add_argument(
+        "--readiness-seconds", type=float, default=60.0, help="readiness window (default 60)"
+    )
+
+
+async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    bus = await Bus.open(
+        args.nats,
+        name="nodus-prober",
+        credentials=args.credentials,
+        buckets=names.ALL_BUCKETS,
+        streams=True,
+    )
+    prober = Prober(bus, args.replica, args.sample_seconds, args.readiness_seconds)
+    try:
+        await prober.start()
+        await stop.wait()
+    finally:
+        await prober.stop()
+        await bus.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_daemon("prober", args, _body)

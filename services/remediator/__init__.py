@@ -1,0 +1,1 @@
+"""Automated node repair: detectors, alerts, policy, ladder, guardrails, actions, revalidation."""

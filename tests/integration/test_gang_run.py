@@ -1,0 +1,220 @@
+"""A Relayed gang's life in one process: placed, probed through the shim and the relays
+(status.gang.probe from measured values), ranks launched with their environment, the example
+all-reduce verified on every rank, Succeeded with honest billing; logs readable."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from libs.bus import Bus
+from libs.bus.server import free_port
+from libs.contracts import names
+from libs.client.client import Client
+from libs.contracts.jobs import ConditionType, Job, Phase
+from libs.contracts.lifecycle import ProbeRecord
+from libs.netshim import SHIM_PATH, ensure_built
+from services.agent.agent import Agent
+from services.agent.inventory import network_namespace
+from services.placer.config import PlacerConfig
+from services.prober.service import Prober
+from services.relay.relay import Relay
+from tests.conftest import StartPlacer, eventually
+from tests.factories import job, machine, node_record, register
+
+WORKLOAD = str(Path(__file__).resolve().parents[2] / "examples" / "workloads" / "allreduce.py")
+L4 = {"count": 1, "backend": "cuda", "model": "L4"}
+
+
+@pytest.fixture
+async def system(
+    bus: Bus, tmp_path: Path, start_placer: StartPlacer, placer_config: PlacerConfig
+) -> AsyncIterator[Client]:
+    ensure_built()
+    ports = [free_port(), free_port()]
+    relays = [
+        Relay(
+            bus,
+            f"relay-{i}",
+            "eu-central",
+            ("127.0.0.1", ports[i]),
+            [f"127.0.0.1:{ports[1 - i]}"],
+            b"k" * 32,
+        )
+        for i in range(2)
+    ]
+    for relay in relays:
+        await relay.start()
+    agents = [
+        Agent(
+            bus,
+            machine(
+                "vast-a",
+                provider="vast",
+                offering="container",
+                address="127.0.1.41",
+                accelerators=L4,
+            ),
+            heartbeat_seconds=0.5,
+            socks_endpoint=f"127.0.0.1:{free_port()}",
+            state_dir=tmp_path / "vast-a",
+        ),
+        Agent(
+            bus,
+            machine("lam-b", provider="lambda", address="127.0.1.42", accelerators=L4),
+            heartbeat_seconds=0.5,
+            socks_endpoint=f"127.0.0.1:{free_port()}",
+            state_dir=tmp_path / "lam-b",
+        ),
+    ]
+    for agent in agents:
+        await agent.start()
+    config = msgspec.structs.replace(placer_config, shim_path=str(SHIM_PATH))
+    await start_placer(config)
+    prober = Prober(bus, "prober-test", sample_seconds=0.5, readiness_seconds=30)
+    await prober.start()
+    yield Client(bus)
+    await prober.stop()
+    for agent in agents:
+        await agent.stop()
+    for relay in relays:
+        await relay.stop()
+
+
+async def finished(client: Client, name: str, timeout: float = 90) -> Job:
+    found: list[Job] = []
+
+    async def done() -> bool:
+        current = await client.get_job(name)
+        found.append(current)
+        return current.status.phase in (Phase.SUCCEEDED, Phase.FAILED)
+
+    await eventually(done, timeout)
+    return found[-1]
+
+
+async def test_a_relayed_pair_runs_the_workload_to_succeeded(system: Client) -> None:
+    client = system
+    await client.apply(
+        job(
+            "ring",
+            org="acme",
+            command=[sys.executable, WORKLOAD],
+            env={"ALLREDUCE_MIB": "2", "ALLREDUCE_ITERS": "1"},
+            accelerators={"model": "L4"},
+            distributed={"members": 2, "transport": "Auto"},
+        )
+    )
+    result = await finished(client, "ring")
+    logs = [(await client.logs("ring", rank)).data for rank in range(2)]
+    assert result.status.phase is Phase.SUCCEEDED, (result.status.conditions, logs)
+    probe = result.status.gang.probe if result.status.gang else None
+    assert probe is not None and probe.tcp_gbps > 0 and probe.rtt_ms > 0
+    assert probe.path == "derp:eu-central"
+    qualified = result.condition(ConditionType.NETWORK_QUALIFIED)
+    assert qualified is not None and qualified.status == "True"
+    record = await client.probe(result)
+    assert record is not None and record.state == "Qualified"
+    assert [(p.a, p.b, p.connections) for p in record.pairs] == [("vast-a", "lam-b", 6)] or [
+        (p.b, p.a, p.connections) for p in record.pairs
+    ] == [("vast-a", "lam-b", 6)]
+    for rank, text in enumerate(logs):
+        report = json.loads(text.strip().splitlines()[-1])
+        assert report["rank"] == rank and report["world"] == 2 and report["verified"] is True
+    billing = result.status.billing
+    assert billing is not None and billing.boot_seconds > 0 and billing.run_seconds > 0
+    assert billing.mesh_relay_gi_b > 0  # the probe and the workload crossed the relays
+
+
+async def test_a_failing_rank_fails_the_job_and_stops_the_others(system: Client) -> None:
+    client = system
+    script = (
+        "import os, sys, time; sys.exit(3) if os.environ['NODE_RANK'] == '1' else time.sleep(60)"
+    )
+    await client.apply(
+        job(
+            "crash",
+            org="acme",
+            command=[sys.executable, "-c", script],
+            accelerators={"model": "L4"},
+            distributed={"members": 2, "transport": "Auto"},
+        )
+    )
+    result = await finished(client, "crash")
+    assert result.status.phase is Phase.FAILED
+    ready = result.condition(ConditionType.GANG_READY)
+    assert ready is not None and ready.reason == "RankFailed" and "code 3" in ready.message
+    await asyncio.sleep(0.5)
+
+
+async def test_a_static_launcher_fails_at_once_with_shim_not_loaded(system: Client) -> None:
+    static = Path(__file__).resolve().parents[2] / "netshim" / "build" / "tests" / "hello-static"
+    await system.apply(
+        job(
+            "static",
+            org="acme",
+            command=[str(static)],
+            accelerators={"model": "L4"},
+            distributed={"members": 2, "transport": "Auto"},
+        )
+    )
+    result = await finished(system, "static")
+    assert result.status.phase is Phase.FAILED
+    qualified = result.condition(ConditionType.NETWORK_QUALIFIED)
+    assert qualified is not None and qualified.reason == "ShimNotLoaded"
+    assert "static" in qualified.message and "glibc" in qualified.message
+    assert result.status.epoch == 1  # not placed again: another machine would not help
+    assert result.status.billing is not None and result.status.billing.boot_seconds > 0  # billed
+
+
+async def test_a_pair_that_cannot_connect_fails_the_epoch_and_the_gang_is_placed_again(
+    bus: Bus, start_placer: StartPlacer, tmp_path: Path
+) -> None:
+    # One VPC, three machines; the first (by name) has just lost its agent: its heartbeat is
+    # still fresh, so it is placed, but nobody answers for it and its peer cannot reach it.
+    vms = [
+        machine("a-broken", address="10.0.9.1", privateNetwork="vpc", privateAddress="127.0.2.51"),
+        machine("b-good", address="10.0.9.2", privateNetwork="vpc", privateAddress="127.0.2.52"),
+        machine("c-good", address="10.0.9.3", privateNetwork="vpc", privateAddress="127.0.2.53"),
+    ]
+    # Registered (in this host's network namespace, like the agents), heartbeat fresh, no agent.
+    await register(bus, [node_record(vms[0], namespace=network_namespace())])
+    agents = [Agent(bus, m, heartbeat_seconds=0.5, state_dir=tmp_path / m.name) for m in vms[1:]]
+    for agent in agents:
+        await agent.start()
+    await start_placer()
+    prober = Prober(bus, "prober-test", sample_seconds=0.3, readiness_seconds=3)
+    await prober.start()
+    client = Client(bus)
+    try:
+        await client.apply(
+            job(
+                "retry",
+                org="acme",
+                command=[sys.executable, "-c", "pass"],
+                distributed={"members": 2, "network": "Colocated"},
+            )
+        )
+        result = await finished(client, "retry")
+        assert result.status.phase is Phase.SUCCEEDED, result.status.conditions
+        assert result.status.epoch == 2
+        assert result.status.avoid == ["a-broken"]
+        assert result.status.gang is not None
+        assert {m.node for m in result.status.gang.members} == {"b-good", "c-good"}
+        events = [e.kind for e in await client.events(result)]
+        assert "placed" in events
+        first = await client.epochs.get("acme.retry.1")
+        assert first is not None and first.value.fenced  # the failed epoch was fenced first
+        probe_one = await client.bus.bucket(names.BUCKET_PROBES, ProbeRecord).get("acme.retry.1")
+        assert probe_one is not None and probe_one.value.state == "Failed"
+        assert "a-broken" in (probe_one.value.reason or "")
+    finally:
+        await prober.stop()
+        for agent in agents:
+            await agent.stop()
