@@ -83,6 +83,7 @@ PATTERN = random.Random(20240601).randbytes(PERIOD)
 CHUNKS = [PATTERN[at : at + CHUNK] for at in range(0, PERIOD, CHUNK)]
 FLOW_ID = struct.Struct(">Q")
 READ = 256 << 10
+USAGE_FLUSH = 1.5  # relays publish usage every second (services/relay/billing.py)
 POLL = 0.02  # seconds between `epochs` requests while waiting for a member to move
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAIR_HOSTS = ("127.0.4.1", "127.0.4.2")  # A (container), B (VM) of the cap-off system
@@ -514,6 +515,24 @@ class Bench:
         found = await asyncio.gather(*(self.joined(n) for n in nodes))
         return dict(zip(nodes, found, strict=True))
 
+    async def billed(self) -> int:
+        """Bytes the relays metered as sent by members, every gang (the usage stream, G17)."""
+        assert self.client is not None
+        return sum((await self.client.usage()).values())
+
+    async def relayed(self, specs: list[FlowSpec], **kwargs: Any) -> dict[str, Any]:
+        """`stream` through the relays, plus what the relays billed for it: the WireGuard
+        messages members sent (acknowledgements, keepalives and any resend included) over
+        the bytes delivered. Relays flush usage every second, so this waits for one flush."""
+        before = await self.billed()
+        measure = await stream(specs, **kwargs)
+        await asyncio.sleep(USAGE_FLUSH)
+        delivered = sum(f["received_bytes"] for f in measure["flows"].values())
+        billed = await self.billed() - before
+        measure["billed_bytes"] = billed
+        measure["billed_over_delivered"] = round(billed / delivered, 4) if delivered else None
+        return measure
+
     def pids(self, *names_: str) -> list[int]:
         assert self.system is not None
         return [c.process.pid for c in self.system.children if c.name in names_]
@@ -599,11 +618,11 @@ class Bench:
             shift = round_no % len(order)
             for path in order[shift:] + order[:shift]:
                 opener, procs = paths[path]
-                measure = await stream(
+                measure = await (self.relayed if path == "relayed" else stream)(
                     [FlowSpec("a_to_b", sink_b, opener)],
-                    self.args.seconds,
-                    self.args.warmup,
-                    procs,
+                    seconds=self.args.seconds,
+                    warmup=self.args.warmup,
+                    procs=procs,
                 )
                 runs[path].append(public(measure))
                 log(
@@ -612,14 +631,14 @@ class Bench:
                 )
         # Both ways at once through the relays, for the CPU of a full-duplex gang.
         assert gang.sinks is not None
-        both = await stream(
+        both = await self.relayed(
             [
                 FlowSpec("a_to_b", gang.sinks[1], self.via_socks(gang.socks[0])),
                 FlowSpec("b_to_a", gang.sinks[0], self.via_socks(gang.socks[1])),
             ],
-            self.args.seconds,
-            self.args.warmup,
-            self.gang_procs(gang),
+            seconds=self.args.seconds,
+            warmup=self.args.warmup,
+            procs=self.gang_procs(gang),
         )
         log(f"cap off, relayed both ways: {both['total_mbit_s']} Mbit/s")
         out: dict[str, Any] = {"homes": gang.homes, "socat_chain_hops": hops}
@@ -670,7 +689,7 @@ class Bench:
             ("b_to_a_alone", [b_to_a]),
             ("both_at_once", [a_to_b, b_to_a]),
         ):
-            measure = public(await stream(specs, seconds, warmup, procs))
+            measure = public(await self.relayed(specs, seconds=seconds, warmup=warmup, procs=procs))
             for flow in measure["flows"].values():
                 flow["over_share"] = ratio(flow["mbit_s"], share)
             one[label] = measure
@@ -687,7 +706,13 @@ class Bench:
         everyone = {c.name: [c.process.pid] for c in self.system.children} if self.system else {}
         relays_and_agents = {n: p for n, p in everyone.items() if n.startswith(("agent", "relay"))}
         many = public(
-            await stream(specs, max(seconds, 4.0), warmup, relays_and_agents, drain=120.0)
+            await self.relayed(
+                specs,
+                seconds=max(seconds, 4.0),
+                warmup=warmup,
+                procs=relays_and_agents,
+                drain=120.0,
+            )
         )
         per_gang = {
             g.name: round(
@@ -754,11 +779,11 @@ class Bench:
                 moved[node] = None
             return {"killed_at": killed, "time_to_move_s": moved, "homes_after": reported}
 
-        measure = await stream(
+        measure = await self.relayed(
             [a_to_b, b_to_a],
-            self.args.failover_seconds,
-            self.args.warmup,
-            self.gang_procs(gang),
+            seconds=self.args.failover_seconds,
+            warmup=self.args.warmup,
+            procs=self.gang_procs(gang),
             action=kill,
         )
         action = measure["action"]

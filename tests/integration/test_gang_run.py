@@ -15,8 +15,8 @@ import pytest
 
 from libs.bus import Bus
 from libs.bus.server import free_port
-from libs.contracts import names
 from libs.client.client import Client
+from libs.contracts import names
 from libs.contracts.jobs import ConditionType, Job, Phase
 from libs.contracts.lifecycle import ProbeRecord
 from libs.netshim import SHIM_PATH, ensure_built
@@ -28,6 +28,9 @@ from services.relay.relay import Relay
 from tests.conftest import StartPlacer, eventually
 from tests.factories import job, machine, node_record, register
 
+STATIC_LAUNCHER = (
+    Path(__file__).resolve().parents[2] / "netshim" / "build" / "tests" / "hello-static"
+)
 WORKLOAD = str(Path(__file__).resolve().parents[2] / "examples" / "workloads" / "allreduce.py")
 L4 = {"count": 1, "backend": "cuda", "model": "L4"}
 
@@ -154,7 +157,7 @@ async def test_a_failing_rank_fails_the_job_and_stops_the_others(system: Client)
 
 
 async def test_a_static_launcher_fails_at_once_with_shim_not_loaded(system: Client) -> None:
-    static = Path(__file__).resolve().parents[2] / "netshim" / "build" / "tests" / "hello-static"
+    static = STATIC_LAUNCHER
     await system.apply(
         job(
             "static",
