@@ -16,6 +16,7 @@ import os
 import socket
 import struct
 import sys
+import threading
 import time
 from array import array
 
@@ -35,7 +36,9 @@ def connect_retry(address: tuple[str, int], deadline: float) -> socket.socket:
     """Like NCCL and the TCPStore: a refused connection is retried until the peer listens."""
     while True:
         try:
-            return socket.create_connection(address, timeout=30)
+            sock = socket.create_connection(address, timeout=30)
+            sock.settimeout(None)  # the connect is bounded; the collective may take its time
+            return sock
         except (ConnectionRefusedError, TimeoutError, OSError):
             if time.monotonic() > deadline:
                 raise
@@ -105,18 +108,24 @@ def ring_allreduce(data: array, rank: int, world: int, to_next: socket.socket, f
         i %= world
         return bounds[i], bounds[i + 1]
 
-    view = memoryview(data).cast("B")
+    def exchange(send: bytes, size: int) -> bytes:
+        # Send and receive at once: every rank sends before it reads, and a chunk larger than
+        # the sockets' buffers would otherwise deadlock the ring.
+        sender = threading.Thread(target=to_next.sendall, args=(send,))
+        sender.start()
+        received = recv_exact(from_prev, size)
+        sender.join()
+        return received
+
     for step in range(world - 1):  # reduce-scatter
         s0, s1 = chunk(rank - step)
         r0, r1 = chunk(rank - step - 1)
-        to_next.sendall(view[s0 * item : s1 * item])
-        incoming = array(data.typecode, recv_exact(from_prev, (r1 - r0) * item))
+        incoming = array(data.typecode, exchange(data[s0:s1].tobytes(), (r1 - r0) * item))
         data[r0:r1] = array(data.typecode, map(float.__add__, data[r0:r1], incoming))
     for step in range(world - 1):  # all-gather
         s0, s1 = chunk(rank + 1 - step)
         r0, r1 = chunk(rank - step)
-        to_next.sendall(view[s0 * item : s1 * item])
-        data[r0:r1] = array(data.typecode, recv_exact(from_prev, (r1 - r0) * item))
+        data[r0:r1] = array(data.typecode, exchange(data[s0:s1].tobytes(), (r1 - r0) * item))
 
 
 def main() -> int:

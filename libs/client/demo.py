@@ -4,14 +4,15 @@ placed (one per path class) and the refusals shown with their reasons; then a cl
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import tempfile
 from pathlib import Path
 
 from libs.bus.server import free_port
-from libs.client.client import Client, load_jobs
+from libs.client.client import Client, job_document, load_jobs
 from libs.client.local import REPO, LocalSystem
-from libs.client.output import table
+from libs.client.output import jsonpath, table
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.jobs import Job, Phase
 
@@ -34,7 +35,7 @@ def say(text: str = "") -> None:
 async def _wait_placed(client: Client, job: Job, timeout: float = 30.0) -> Job:
     async def wait() -> Job:
         async for current in client.watch_job(job.metadata.name, job.metadata.org):
-            if current.status.phase in (Phase.PLACED, Phase.RUNNING, Phase.SUCCEEDED, Phase.FAILED):
+            if current.status.phase is not Phase.PENDING:
                 return current
         raise NodusError(ErrorCode.NOT_FOUND, f"job {job.metadata.name} was deleted")
 
@@ -43,9 +44,12 @@ async def _wait_placed(client: Client, job: Job, timeout: float = 30.0) -> Job:
 
 async def run_demo() -> int:
     with tempfile.TemporaryDirectory(prefix="nodus-demo-") as state:
-        system = LocalSystem(state_dir=Path(state), nats_port=free_port(), heartbeat_seconds=1.0)
+        system = LocalSystem(
+            state_dir=Path(state), nats_port=free_port(), heartbeat_seconds=1.0, probe_seconds=2.0
+        )
         say(
-            "== nodus up: nats-server (JetStream), placer, one agent per machine of examples/fleet.yaml"
+            "== nodus up: nats-server (JetStream), placer, prober, two meshed relays, "
+            "one agent per machine of examples/fleet.yaml"
         )
         await system.start()
         say(f"NODUS_NATS_URL={system.url}")
@@ -111,13 +115,64 @@ async def _run(client: Client) -> int:
             unexpected.append(f"no gang on the {wanted} path")
     if not refused:
         unexpected.append("no job was refused")
-    if unexpected:
-        say("\nDEMO FAILED: " + "; ".join(unexpected))
-        return 1
     say(
         f"\n== {len(results)} gangs placed ({', '.join(sorted(transports))}), {len(refused)} jobs refused"
     )
+    for job in results:
+        if job.status.gang and job.status.gang.transport.value == "direct":
+            # The Direct path runs WireGuard on a nodus0 device per machine; the machines of
+            # `nodus up` share this host's network namespace, so it is shown placed only.
+            await client.delete(job.metadata.name, job.metadata.org)
+            say(
+                f"$ nodus delete job {job.metadata.name}   # Direct needs a nodus0 device per machine"
+            )
+    for job in results:
+        if not job.status.gang or job.status.gang.transport.value == "direct":
+            continue
+        unexpected += await _run_to_the_end(client, job)
+    if unexpected:
+        say("\nDEMO FAILED: " + "; ".join(unexpected))
+        return 1
+    say("\n== the workload ran on the private and the relayed gang, verified on every rank")
     return 0
+
+
+async def _run_to_the_end(client: Client, job: Job, timeout: float = 180.0) -> list[str]:
+    """Probe, launch, run: wait for the end, then show the probe, the workload and the bill."""
+    name, org = job.metadata.name, job.metadata.org
+
+    async def wait() -> Job:
+        async for current in client.watch_job(name, org):
+            if current.status.phase in (Phase.SUCCEEDED, Phase.FAILED):
+                return current
+        raise NodusError(ErrorCode.NOT_FOUND, f"job {name} was deleted")
+
+    done = await asyncio.wait_for(wait(), timeout)
+    say(f"\n$ nodus get job {name} -o jsonpath='{{.status.phase}} {{.status.gang.probe}}'")
+    document = job_document(done)
+    say(jsonpath("{.status.phase} {.status.gang.probe}", document))
+    problems = []
+    for rank in range(done.spec.distributed.members):
+        logs = await client.logs(name, rank, 0, org)
+        last = logs.data.strip().splitlines()[-1] if logs.data.strip() else ""
+        say(f"$ nodus logs {name} --rank {rank} | tail -1\n{last}")
+        try:
+            if not json.loads(last).get("verified"):
+                problems.append(f"{name} rank {rank} did not verify its all-reduce")
+        except ValueError:
+            problems.append(f"{name} rank {rank} printed no report")
+    billing = done.status.billing
+    if billing:
+        say(
+            f"# billing: boot {billing.boot_seconds:.1f}s, run {billing.run_seconds:.1f}s, "
+            f"mesh-relay {billing.mesh_relay_gi_b:.4f} GiB"
+        )
+    if done.status.phase is not Phase.SUCCEEDED:
+        reasons = "; ".join(
+            f"{c.type.value}={c.reason}: {c.message}" for c in done.status.conditions
+        )
+        problems.append(f"{name} ended {done.status.phase.value}: {reasons}")
+    return problems
 
 
 if __name__ == "__main__":

@@ -653,8 +653,18 @@ class Bench:
                 "cpu_s_per_gbit_median": round(statistics.median(cpus), 3) if cpus else None,
                 "harness_cpu_s_per_gbit_median": round(statistics.median(own), 3) if own else None,
                 "cpu_s_by_process_last_run": measures[-1]["cpu_s"],
+                "longest_gap_ms_max": max(m["flows"]["a_to_b"]["longest_gap_ms"] for m in measures),
+                "others_busy_cores_max": max(m["others_busy_cores"] for m in measures),
                 "intact": all(all_intact(m) for m in measures),
             }
+            if path == "relayed":
+                out[path]["relay_cpu_s_per_gbit_median"] = statistics.median(
+                    m["relay_cpu_s_per_gbit"] for m in measures
+                )
+                out[path]["agent_cpu_s_per_gbit_median"] = statistics.median(
+                    m["agent_cpu_s_per_gbit"] for m in measures
+                )
+                out[path]["billed_over_delivered"] = [m["billed_over_delivered"] for m in measures]
         out["relayed_both_ways"] = public(both)
         relayed, direct, socat = out["relayed"], out["direct"], out["socat"]
         out["ratios"] = {
@@ -740,6 +750,12 @@ class Bench:
             },
             "cpu_s_by_relay": {n: v for n, v in cpu.items() if n.startswith("relay")},
             "cpu_s_per_gbit": many["cpu_s_per_gbit"],
+            "relay_cpu_s_per_gbit": many["relay_cpu_s_per_gbit"],
+            "agent_cpu_s_per_gbit": many["agent_cpu_s_per_gbit"],
+            "longest_gap_ms_max": max(f["longest_gap_ms"] for f in many["flows"].values()),
+            "billed_over_delivered": many["billed_over_delivered"],
+            "machine_busy_cores": many["machine_busy_cores"],
+            "others_busy_cores": many["others_busy_cores"],
             "intact": all_intact(many),
         }
         log(
@@ -819,6 +835,9 @@ class Bench:
             **action,
             "delivery": gaps,
             "mbit_s_over_stream": {n: f["mbit_s"] for n, f in measure["flows"].items()},
+            # The killed relay's last second of counts is lost (billing.py); resends add.
+            "billed_over_delivered": measure["billed_over_delivered"],
+            "others_busy_cores": measure["others_busy_cores"],
             "intact": all_intact(measure),
         }
 

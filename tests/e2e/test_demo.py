@@ -11,7 +11,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_demo_places_one_gang_per_path_and_shows_refusals() -> None:
+def test_demo_places_one_gang_per_path_runs_the_workload_and_shows_refusals() -> None:
     nodus = str(Path(sys.executable).parent / "nodus")
     result = subprocess.run([nodus, "demo"], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -26,3 +26,7 @@ def test_demo_places_one_gang_per_path_and_shows_refusals() -> None:
         assert reason in out
     assert "NODUS_GANG_TRANSPORT=relayed" in out and "LD_PRELOAD=" in out
     assert "stopped everything" in out
+    # The workload ran on the private and the relayed gang: probed, verified, billed.
+    assert "the workload ran on the private and the relayed gang, verified on every rank" in out
+    assert out.count('"verified": true') == 4
+    assert '"path":"derp:' in out and "Succeeded" in out

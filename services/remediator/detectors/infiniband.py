@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from libs.contracts.remediation import AlertKind, Evidence, Finding
+from libs.contracts.remediation import AlertKind, Evidence, Finding, Severity
 
 _STATE = re.compile(r"^\s*(\d{1,3})\s*:\s*([A-Za-z_ ]{1,32}?)\s*$")
 MAX_READ = 256
@@ -167,7 +167,7 @@ class Infiniband:
         values: dict[str, float],
         now: datetime,
     ) -> Finding:
-        severity = "critical" if kind is AlertKind.INFINIBAND_PORT_DOWN else "warning"
+        severity: Severity = "critical" if kind is AlertKind.INFINIBAND_PORT_DOWN else "warning"
         return Finding(
             kind=kind,
             subject=port.subject,
