@@ -239,6 +239,8 @@ class Remediation(Record):
     finished_time: datetime | None = None
     outcome: Outcome | None = None
     op_id: str = ""
+    executor: str = ""  # the replica that claimed the action; only it issues (R14)
+    claim_time: datetime | None = None
     boot_id_before: str = ""
     host_before: str = ""
     host_after: str = ""
@@ -246,6 +248,7 @@ class Remediation(Record):
     interrupted: list[str] = []  # gangs still running when the max wait ran out (R6)
     diagnostics: list[str] = []
     history: list[Transition] = []
+    settled: bool = False  # after the end: slots released, ladder and alerts updated
 
     @property
     def active(self) -> bool:

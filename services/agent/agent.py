@@ -21,6 +21,7 @@ from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Machine, NodeHealth, NodeRecord
 from libs.contracts.jobs import PathClass
 from libs.contracts.relay import Member
+from libs.contracts.remediation import RebootReply, RebootRequest
 from libs.mesh import verify_join_key
 from libs.runtime.tasks import cancel_and_wait
 from libs.wg import generate_private_key, key_to_base64, public_key
@@ -117,6 +118,9 @@ class Agent:
                     self.epochs_joined,
                 ),
                 *self.gangs.endpoints(),
+                Endpoint(
+                    "reboot", names.node_request(self.node, "reboot"), RebootRequest, self.reboot
+                ),
             ],
         )
         await self.nodes.put(self.node, self.record())
@@ -133,6 +137,13 @@ class Agent:
         for runtime in self.relayed.values():
             await runtime.stop()
         self.relayed.clear()
+
+    async def reboot(self, _: RebootRequest) -> RebootReply:
+        """The simulated machine boots again (issue 6): a new boot id, registered again."""
+        self.boot_id = str(uuid.uuid4())
+        await self.nodes.put(self.node, self.record())
+        await self._beat()
+        return RebootReply(node=self.node, boot_id=self.boot_id)
 
     async def info(self, _: NodeInfoRequest) -> NodeInfoReply:
         return NodeInfoReply(node=self.record())

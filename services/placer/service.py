@@ -63,6 +63,7 @@ PLACE_SECONDS = Histogram(
 FREE_NODES = Gauge("nodus_placer_free_nodes", "Live, healthy machines no gang holds")
 WAITING_JOBS = Gauge("nodus_placer_waiting_jobs", "Admitted jobs waiting for capacity")
 
+ACTIVE = {Phase.PLACED, Phase.PROBING, Phase.RUNNING}
 STALE_SWEEP_TICKS = 15  # seconds between stale-lease sweeps
 STALE_LEASE_SECONDS = 30.0  # a commit never takes this long; older orphans are freed
 
@@ -100,6 +101,7 @@ class Placer:
         self._placing: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(config.placement_concurrency)
+        self._active: dict[str, tuple[int, list[str]]] = {}  # placed gangs: epoch, members
         self._feasible_cache: dict[bytes, NodusError | None] = {}
         self._feasible_version = -1
 
@@ -231,6 +233,13 @@ class Placer:
         """Another replica's Pending job is taken over once it has waited `takeover_seconds`."""
         async for change in self.jobs.watch():
             job = change.value
+            if job is not None and job.status.phase in ACTIVE and job.status.gang:
+                self._active[change.key] = (
+                    job.status.epoch,
+                    [m.node for m in job.status.gang.members],
+                )
+            else:
+                self._active.pop(change.key, None)
             if job is None or job.status.phase is not Phase.PENDING:
                 continue
             if job.status.placed_by == self.replica:
@@ -250,6 +259,7 @@ class Placer:
             ticks += 1
             if self.view.sweep(now()):
                 self._capacity_changed()
+            await self._check_members()
             FREE_NODES.set(len(self.view.free))
             WAITING_JOBS.set(len(self._waiting))
             if ticks % STALE_SWEEP_TICKS == 0:
@@ -257,6 +267,37 @@ class Placer:
                     await self.release_stale_leases()
                 except Exception as error:  # the next sweep tries again
                     log.warning("stale lease sweep failed: %s", error)
+
+    async def _check_members(self) -> None:
+        """A member that stops heartbeating or is marked unhealthy ends its gang's epoch: the
+        gang goes back to placement without it, and its next epoch fences this one first."""
+        t = now()
+        for key, (epoch, members) in list(self._active.items()):
+            lost = [node for node in members if not self.view.alive(node, t)]
+            if not lost:
+                continue
+            message = (
+                f"{', '.join(lost)} stopped heartbeating or turned unhealthy; epoch {epoch} ends"
+            )
+
+            def replace(
+                job: Job | None, epoch: int = epoch, lost: list[str] = lost, message: str = message
+            ) -> Job | None:
+                if job is None or job.status.epoch != epoch or job.status.phase not in ACTIVE:
+                    return None
+                status = with_condition(
+                    job.status, ConditionType.GANG_READY, "False", "MemberLost", message, t
+                )
+                status = msgspec.structs.replace(
+                    status, phase=Phase.PENDING, avoid=[*status.avoid, *lost]
+                )
+                return msgspec.structs.replace(job, status=status)
+
+            self._active.pop(key, None)
+            changed = await self.jobs.mutate(key, replace)
+            if changed is not None:
+                log.warning("%s: %s", key, message)
+                await self._event(changed.value, "MemberLost", epoch, message)
 
     async def release_stale_leases(self, grace_seconds: float = STALE_LEASE_SECONDS) -> int:
         """Reconcile leases with epochs and jobs: a lease whose epoch was never persisted (a

@@ -421,8 +421,10 @@ class Prober:
         )
         statuses = {f.key: f for f in found if f is not None}
         members = {m.rank: m.node for m in stored.value.members}
+        # A rank the platform stopped (fencing, a machine going away) is not the workload
+        # failing: the gang is re-placed by the member-loss path instead.
         failed = [
-            s.value for s in statuses.values() if s.value.state != "Running" and s.value.exit_code
+            s.value for s in statuses.values() if s.value.state == "Exited" and s.value.exit_code
         ]
         if failed:
             first = min(failed, key=lambda s: s.ended_time or now())

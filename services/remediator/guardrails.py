@@ -40,6 +40,7 @@ class Settings:
     min_available_fraction: float = 0.5  # never take more of a cluster out of service
     action_timeout: timedelta = timedelta(minutes=15)  # a machine that does not come back
     slot_grace: timedelta = timedelta(seconds=30)  # a slot held by no record is stale after
+    claim_grace: timedelta = timedelta(seconds=30)  # another replica's claim to issue an action
 
     def persistence_for(self, kind: AlertKind) -> timedelta:
         return self.persistence_by_kind.get(kind, self.persistence)

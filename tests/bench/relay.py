@@ -72,7 +72,7 @@ from libs.client.local import LocalSystem
 from libs.contracts import names
 from libs.contracts.api import NodeInfoRequest
 from libs.contracts.bounds import derive
-from libs.contracts.jobs import PathClass
+from libs.contracts.jobs import Job, PathClass, Phase
 from services.agent.agent import JoinedReply
 from tests.factories import job
 from tests.socks_client import socks_connect
@@ -86,6 +86,12 @@ READ = 256 << 10
 USAGE_FLUSH = 1.5  # relays publish usage every second (services/relay/billing.py)
 POLL = 0.02  # seconds between `epochs` requests while waiting for a member to move
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+PROBE_SAMPLE = 1.0  # seconds of the prober's throughput sample (G10.2) before measuring
+# The ranks: something that runs quietly for longer than the bench, so every gang is Running
+# (its epoch live) while it is measured; the agents stop it when they stop.
+RANK_COMMAND = ["sleep", "3600"]
+ORG = "acme"
+SETTLED = {Phase.RUNNING, Phase.SUCCEEDED, Phase.FAILED}
 PAIR_HOSTS = ("127.0.4.1", "127.0.4.2")  # A (container), B (VM) of the cap-off system
 
 
@@ -137,7 +143,26 @@ def cleanup() -> None:
                 proc.kill()
                 proc.wait(5)
     while _systems:
-        _systems.pop().stop()
+        stop_system(_systems.pop())
+
+
+def stop_system(system: LocalSystem) -> None:
+    """`system.stop()`, then SIGKILL whatever its daemons had started (ranks, probes) and
+    left behind: by pid, and only the very processes seen before the stop."""
+    roots = [c.process.pid for c in system.children if c.process.poll() is None]
+    spawned = [(pid, _started(pid)) for pid in _descendants(roots) if pid not in roots]
+    system.stop()
+    for pid, started in spawned:
+        if started is not None and _started(pid) == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _started(pid: int) -> str | None:
+    fields = _stat(pid)
+    return fields[19] if fields is not None else None  # starttime: tells a reused pid apart
 
 
 def spawn_socat(port: int, target: str) -> subprocess.Popen[bytes]:
@@ -166,6 +191,7 @@ def _stat(pid: int) -> list[str] | None:
 
 
 def _descendants(roots: list[int]) -> list[int]:
+    """The roots and every live process below them (one pass over /proc)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -180,13 +206,13 @@ def _descendants(roots: list[int]) -> list[int]:
     return out
 
 
-def cpu_seconds(groups: dict[str, list[int]]) -> dict[str, float]:
-    """CPU (user + system) of each group of processes and their live descendants (socat forks
-    a child per connection)."""
+def cpu_seconds(groups: dict[str, list[int]], tree: bool = False) -> dict[str, float]:
+    """CPU (user + system) of each group of processes; with `tree`, of their live
+    descendants too (socat forks a child per connection). Cheap: it runs inside the window."""
     out: dict[str, float] = {}
     for name, roots in groups.items():
         total = 0
-        for pid in _descendants(roots):
+        for pid in _descendants(roots) if tree else roots:
             fields = _stat(pid)
             if fields is not None:
                 total += int(fields[11]) + int(fields[12])
@@ -295,6 +321,7 @@ async def stream(
     procs: dict[str, list[int]],
     action: Callable[[float, dict[str, Flow]], Coroutine[Any, Any, dict[str, Any]]] | None = None,
     drain: float = 60.0,
+    tree: bool = False,
 ) -> dict[str, Any]:
     """Run the flows at once for `seconds`; goodput and CPU over [warmup, seconds]."""
     flows: dict[str, Flow] = {}
@@ -314,12 +341,13 @@ async def stream(
     ]
     acting = asyncio.create_task(action(t0, flows)) if action is not None else None
     try:
+        # CPU first, then the clock and the counts: no byte moves here while this runs.
         await _sleep_until(t0 + warmup)
+        cpu0, own0, busy0 = cpu_seconds(procs, tree), time.process_time(), machine_busy()
         start = (time.monotonic(), {n: f.received for n, f in flows.items()})
-        cpu0, own0, busy0 = cpu_seconds(procs), time.process_time(), machine_busy()
         await _sleep_until(t0 + seconds)
+        cpu1, own1, busy1 = cpu_seconds(procs, tree), time.process_time(), machine_busy()
         end = (time.monotonic(), {n: f.received for n, f in flows.items()})
-        cpu1, own1, busy1 = cpu_seconds(procs), time.process_time(), machine_busy()
         await asyncio.wait_for(asyncio.gather(*senders), drain + 10)
         acted = await asyncio.wait_for(acting, 60) if acting is not None else None
     finally:
@@ -426,6 +454,20 @@ class Gang:
     socks: tuple[tuple[str, int], tuple[str, int]] = (("", 0), ("", 0))
     sinks: tuple[Sink, Sink] | None = None
     homes: dict[str, str | None] = field(default_factory=dict)
+    lifecycle: dict[str, Any] = field(default_factory=dict)
+
+
+def lifecycle(found: Job) -> dict[str, Any]:
+    """Where the job's life stood when measuring began, and the prober's own measurement of
+    the pair (G11: the slowest pair of a short sample through the same path)."""
+    status = found.status
+    out: dict[str, Any] = {"phase": status.phase.value, "epoch": status.epoch}
+    probe = status.gang.probe if status.gang else None
+    if probe is not None:
+        out["probe"] = {"tcp_gbps": probe.tcp_gbps, "rtt_ms": probe.rtt_ms, "path": probe.path}
+    if status.phase is not Phase.RUNNING:
+        out["conditions"] = [f"{c.type}={c.status}: {c.message}" for c in status.conditions]
+    return out
 
 
 class Bench:
@@ -457,6 +499,7 @@ class Bench:
             state_dir=root / "state",
             nats_port=free_port(),
             heartbeat_seconds=1.0,
+            probe_seconds=PROBE_SAMPLE,
             relay_args=relay_args,
         )
         _systems.append(system)
@@ -468,19 +511,30 @@ class Bench:
             await client.apply(
                 job(
                     gang.name,
-                    org="acme",
+                    org=ORG,
                     accelerators={"model": f"L4-bench-{index}"},
                     distributed={"members": 2, "transport": "Auto"},
+                    command=RANK_COMMAND,
                 )
             )
-        deadline = time.monotonic() + 120
+        # The gang's life first: the prober's readiness probe and throughput sample go
+        # through the same tunnels, so nothing is measured until every job is past probing.
+        deadline = time.monotonic() + 180
         while True:
+            jobs = [await client.get_job(g.name) for g in plan]
             homes = await self.homes([n for g in plan for n in g.nodes])
-            if all(homes.values()):
+            if all(j.status.phase in SETTLED for j in jobs) and all(homes.values()):
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"tunnels not up within 120 s: {homes}; logs in {root}")
+                phases = {j.metadata.name: j.status.phase.value for j in jobs}
+                raise RuntimeError(
+                    f"gangs not probed and running within 180 s: {phases}, tunnels {homes}; "
+                    f"logs in {root}"
+                )
             await asyncio.sleep(0.2)
+        for gang, found in zip(plan, jobs, strict=True):
+            gang.lifecycle = lifecycle(found)
+        await asyncio.sleep(USAGE_FLUSH)  # the probes' last bytes, metered before any measure
         records = {r.inventory.node: r for r, _, _ in await client.list_nodes()}
         for gang in plan:
             endpoints = [records[n].socks_endpoint.rpartition(":") for n in gang.nodes]
@@ -500,8 +554,8 @@ class Bench:
             await self.client.close()
             self.client = None
         if self.system is not None:
-            self.system.stop()
             _systems.remove(self.system)
+            stop_system(self.system)
             self.system = None
 
     async def joined(self, node: str) -> str | None:
@@ -515,20 +569,23 @@ class Bench:
         found = await asyncio.gather(*(self.joined(n) for n in nodes))
         return dict(zip(nodes, found, strict=True))
 
-    async def billed(self) -> int:
-        """Bytes the relays metered as sent by members, every gang (the usage stream, G17)."""
+    async def billed(self, gangs: list[Gang]) -> int:
+        """Bytes the relays metered as sent by these gangs' members (the usage stream, G17)."""
         assert self.client is not None
-        return sum((await self.client.usage()).values())
+        usage = await self.client.usage()
+        return sum(usage.get(f"{ORG}.{g.name}", 0) for g in gangs)
 
-    async def relayed(self, specs: list[FlowSpec], **kwargs: Any) -> dict[str, Any]:
-        """`stream` through the relays, plus what the relays billed for it: the WireGuard
-        messages members sent (acknowledgements, keepalives and any resend included) over
-        the bytes delivered. Relays flush usage every second, so this waits for one flush."""
-        before = await self.billed()
+    async def relayed(
+        self, gangs: list[Gang], specs: list[FlowSpec], **kwargs: Any
+    ) -> dict[str, Any]:
+        """`stream` through the relays, plus what the relays billed the gangs for it: the
+        WireGuard messages their members sent (acknowledgements, keepalives and any resend
+        included) over the bytes delivered. Relays flush usage every second: this waits."""
+        before = await self.billed(gangs)
         measure = await stream(specs, **kwargs)
         await asyncio.sleep(USAGE_FLUSH)
         delivered = sum(f["received_bytes"] for f in measure["flows"].values())
-        billed = await self.billed() - before
+        billed = await self.billed(gangs) - before
         measure["billed_bytes"] = billed
         measure["billed_over_delivered"] = round(billed / delivered, 4) if delivered else None
         return measure
@@ -618,12 +675,12 @@ class Bench:
             shift = round_no % len(order)
             for path in order[shift:] + order[:shift]:
                 opener, procs = paths[path]
-                measure = await (self.relayed if path == "relayed" else stream)(
-                    [FlowSpec("a_to_b", sink_b, opener)],
-                    seconds=self.args.seconds,
-                    warmup=self.args.warmup,
-                    procs=procs,
-                )
+                specs = [FlowSpec("a_to_b", sink_b, opener)]
+                window = {"seconds": self.args.seconds, "warmup": self.args.warmup, "procs": procs}
+                if path == "relayed":
+                    measure = await self.relayed([gang], specs, **window)
+                else:
+                    measure = await stream(specs, **window, tree=path.startswith("socat"))
                 runs[path].append(public(measure))
                 log(
                     f"cap off, round {round_no + 1}/{self.args.rounds}: {path} "
@@ -632,6 +689,7 @@ class Bench:
         # Both ways at once through the relays, for the CPU of a full-duplex gang.
         assert gang.sinks is not None
         both = await self.relayed(
+            [gang],
             [
                 FlowSpec("a_to_b", gang.sinks[1], self.via_socks(gang.socks[0])),
                 FlowSpec("b_to_a", gang.sinks[0], self.via_socks(gang.socks[1])),
@@ -641,7 +699,11 @@ class Bench:
             procs=self.gang_procs(gang),
         )
         log(f"cap off, relayed both ways: {both['total_mbit_s']} Mbit/s")
-        out: dict[str, Any] = {"homes": gang.homes, "socat_chain_hops": hops}
+        out: dict[str, Any] = {
+            "homes": gang.homes,
+            "gang": gang.lifecycle,
+            "socat_chain_hops": hops,
+        }
         for path, measures in runs.items():
             rates = [m["total_mbit_s"] for m in measures]
             cpus = [m["cpu_s_per_gbit"] for m in measures if m["cpu_s_per_gbit"] is not None]
@@ -693,13 +755,19 @@ class Bench:
         b_to_a = FlowSpec("b_to_a", first.sinks[0], self.via_socks(first.socks[1]))
         procs = self.gang_procs(first)
         seconds, warmup = self.args.seconds, self.args.warmup
-        one: dict[str, Any] = {"homes": first.homes, "member_share_mbit_s": share}
+        one: dict[str, Any] = {
+            "homes": first.homes,
+            "gang": first.lifecycle,
+            "member_share_mbit_s": share,
+        }
         for label, specs in (
             ("a_to_b_alone", [a_to_b]),
             ("b_to_a_alone", [b_to_a]),
             ("both_at_once", [a_to_b, b_to_a]),
         ):
-            measure = public(await self.relayed(specs, seconds=seconds, warmup=warmup, procs=procs))
+            measure = public(
+                await self.relayed([first], specs, seconds=seconds, warmup=warmup, procs=procs)
+            )
             for flow in measure["flows"].values():
                 flow["over_share"] = ratio(flow["mbit_s"], share)
             one[label] = measure
@@ -717,6 +785,7 @@ class Bench:
         relays_and_agents = {n: p for n, p in everyone.items() if n.startswith(("agent", "relay"))}
         many = public(
             await self.relayed(
+                gangs,
                 specs,
                 seconds=max(seconds, 4.0),
                 warmup=warmup,
@@ -737,6 +806,8 @@ class Bench:
         result["gangs"] = {
             "gangs": len(gangs),
             "homes": {n: h for g in gangs for n, h in g.homes.items()},
+            "phases": {g.name: g.lifecycle["phase"] for g in gangs},
+            "probe_tcp_gbps": {g.name: g.lifecycle.get("probe", {}).get("tcp_gbps") for g in gangs},
             "aggregate_mbit_s": many["total_mbit_s"],
             "gang_cap_mbit_s": derive(PathClass.RELAYED, 2).relay_gang_bits_per_second / 1e6,
             "per_gang_mbit_s": per_gang,
@@ -796,6 +867,7 @@ class Bench:
             return {"killed_at": killed, "time_to_move_s": moved, "homes_after": reported}
 
         measure = await self.relayed(
+            [gang],
             [a_to_b, b_to_a],
             seconds=self.args.failover_seconds,
             warmup=self.args.warmup,

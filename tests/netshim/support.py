@@ -52,10 +52,12 @@ class Socks:
     def events(self) -> list[dict[str, Any]]:
         if not self.events_path.exists():
             return []
-        return json_lines(self.events_path.read_text())
+        # Only whole lines: the endpoint may be writing the next one right now.
+        text = self.events_path.read_text()
+        return json_lines(text[: text.rfind("\n") + 1])
 
     def wait_for(
-        self, check: Callable[[list[dict[str, Any]]], bool], timeout: float = 10.0
+        self, check: Callable[[list[dict[str, Any]]], bool], timeout: float = 20.0
     ) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
         while True:
@@ -65,6 +67,12 @@ class Socks:
             if time.monotonic() > deadline:
                 raise AssertionError(f"SOCKS events never matched; got {events}")
             time.sleep(0.02)
+
+    def replies(self, count: int) -> list[int]:
+        """The reply codes of the first `count` CONNECTs, once the endpoint has logged them
+        (it logs just after it answered, so a client may be back first)."""
+        events = self.wait_for(lambda evs: sum(e["event"] == "connected" for e in evs) >= count)
+        return [e["reply"] for e in events if e["event"] == "connected"]
 
     def stop(self) -> None:
         if self.proc.poll() is None:

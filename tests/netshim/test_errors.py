@@ -53,8 +53,7 @@ def test_closed_port_is_econnrefused(run: Run, socks: Socks) -> None:
     assert ran.returncode == 7  # CURLE_COULDNT_CONNECT
     assert "Connection refused" in ran.stderr or "Couldn't connect" in ran.stderr
 
-    replies = [e["reply"] for e in socks.events() if e["event"] == "connected"]
-    assert replies == [5, 5, 5, 5, 5]  # every attempt went through the endpoint
+    assert socks.replies(5) == [5, 5, 5, 5, 5]  # every attempt went through the endpoint
 
 
 UNREACHABLE_CASES = [
@@ -92,8 +91,7 @@ def test_unreachable_peer_gives_the_errno_of_a_direct_connect(
     assert lines[0]["errno"] == expected
     assert lines[1]["second"] == expected
 
-    replies = [e["reply"] for e in socks.events() if e["event"] == "connected"]
-    assert replies == [reply, reply, reply]
+    assert socks.replies(3) == [reply, reply, reply]
 
 
 @pytest.mark.slow
@@ -111,8 +109,8 @@ def test_peer_that_never_answers_is_etimedout(
     ).line
     took = time.monotonic() - started
     assert out["errno"] == "ETIMEDOUT"
-    assert 0.9 < took < 10
-    assert [e["reply"] for e in socks.events() if e["event"] == "connected"] == [6]
+    assert 0.9 < took < 20  # 1 s of dialing, plus process start-up on a busy machine
+    assert socks.replies(1) == [6]
 
 
 # -- the SOCKS endpoint --------------------------------------------------------------------
