@@ -381,6 +381,35 @@ async def _describe(args: argparse.Namespace) -> int:
                     f"Probe plan:    readiness within {b.probe_readiness_seconds:g}s, "
                     f"{b.probe_sample_seconds:g}s throughput sample per pair"
                 )
+        record = await client.probe(job) if status.epoch else None
+        if record is not None:
+            lines.append(
+                f"Probe:         {record.state}, {len(record.pairs)} pairs in {record.rounds} rounds"
+                + (f": {record.reason}" if record.reason else "")
+            )
+            lines.extend(
+                "  " + line
+                for line in table(
+                    ["PAIR", "OK", "TCP GBIT/S", "RTT MS", "PATH", "CONNECTIONS", "ERROR"],
+                    [
+                        [
+                            f"{p.a}-{p.b}",
+                            "yes" if p.ok else "no",
+                            f"{p.tcp_gbps:g}",
+                            f"{p.rtt_ms:g}",
+                            p.path or "-",
+                            str(p.connections),
+                            p.error or "",
+                        ]
+                        for p in record.pairs
+                    ],
+                ).splitlines()
+            )
+        if status.billing:
+            b = status.billing
+            lines.append(
+                f"Billing:       boot {b.boot_seconds:g}s, run {b.run_seconds:g}s, mesh-relay {b.mesh_relay_gi_b:.6f} GiB"
+            )
         lines.append("Conditions:")
         lines.extend(
             "  " + line
