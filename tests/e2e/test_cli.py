@@ -95,11 +95,13 @@ def test_apply_get_env_describe_delete(system: tuple[str, subprocess.Popen[str],
     url, _, _ = system
     applied = nodus(url, "apply", "-f", "examples/jobs/private.yaml")
     assert "job/llama-ft created" in applied.stdout
+    # Placed, then probed and run: the example all-reduce on the private gang ends Succeeded.
     wait_for(
         lambda: (
             nodus(url, "get", "job", "llama-ft", "-o", "jsonpath={.status.phase}").stdout.strip()
-            == "Placed"
-        )
+            == "Succeeded"
+        ),
+        timeout=90,
     )
 
     listed = json.loads(nodus(url, "get", "jobs", "-o", "json").stdout)
@@ -112,6 +114,8 @@ def test_apply_get_env_describe_delete(system: tuple[str, subprocess.Popen[str],
     ).stdout.split()
     assert len(members) == 2
 
+    logs = nodus(url, "logs", "llama-ft", "--rank", "1").stdout
+    assert '"verified": true' in logs
     env = dict(
         line.split("=", 1)
         for line in nodus(url, "env", "llama-ft", "--rank", "1").stdout.splitlines()
@@ -121,10 +125,12 @@ def test_apply_get_env_describe_delete(system: tuple[str, subprocess.Popen[str],
 
     described = nodus(url, "describe", "job", "llama-ft").stdout
     for text in (
-        "Phase:         Placed",
+        "Phase:         Succeeded",
         "Members:",
         "GangReady",
-        "Conditions:",
+        "NetworkQualified",
+        "Probe:",
+        "Billing:",
         "Events:",
         "placed on",
     ):
