@@ -44,7 +44,7 @@ from libs.contracts.jobs import (
 from libs.mesh import MeshIdentity
 from libs.runtime.tasks import cancel_and_wait
 from services.placer import admission
-from services.placer.cluster import ClusterView
+from services.placer.cluster import ClusterView, follow_cordons
 from services.placer.config import PlacerConfig
 from services.placer.environment import device_names, rank_environments
 from services.placer.planner import Exclusions, Plan, Planner, check_plan
@@ -64,6 +64,7 @@ FREE_NODES = Gauge("nodus_placer_free_nodes", "Live, healthy machines no gang ho
 WAITING_JOBS = Gauge("nodus_placer_waiting_jobs", "Admitted jobs waiting for capacity")
 
 ACTIVE = {Phase.PLACED, Phase.PROBING, Phase.RUNNING}
+FINISHED = {Phase.SUCCEEDED, Phase.FAILED}
 STALE_SWEEP_TICKS = 15  # seconds between stale-lease sweeps
 STALE_LEASE_SECONDS = 30.0  # a commit never takes this long; older orphans are freed
 
@@ -120,6 +121,7 @@ class Placer:
             asyncio.create_task(self._watch_jobs()),
             asyncio.create_task(self._worker()),
             asyncio.create_task(self._sweeper()),
+            asyncio.create_task(follow_cordons(self.bus, self.view, self._capacity_changed)),
         ]
         await self.bus.serve(
             "nodus-placer",
@@ -240,6 +242,8 @@ class Placer:
                 )
             else:
                 self._active.pop(change.key, None)
+            if job is not None and job.status.phase in FINISHED and job.status.epoch:
+                self._finished(job)
             if job is None or job.status.phase is not Phase.PENDING:
                 continue
             if job.status.placed_by == self.replica:
@@ -267,6 +271,19 @@ class Placer:
                     await self.release_stale_leases()
                 except Exception as error:  # the next sweep tries again
                     log.warning("stale lease sweep failed: %s", error)
+
+    def _finished(self, job: Job) -> None:
+        """A gang that ended gives its machines back: its epoch is fenced and torn down (the
+        job record, its status and the ranks' logs stay)."""
+
+        async def release() -> None:
+            stored = await self.epochs.get(names.epoch_key(job.key, job.status.epoch))
+            if stored is not None and not stored.value.fenced:
+                await self._teardown(job.key, job.status.epoch)
+
+        task = asyncio.create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _check_members(self) -> None:
         """A member that stops heartbeating or is marked unhealthy ends its gang's epoch: the
