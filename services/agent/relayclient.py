@@ -18,6 +18,7 @@ from libs.relayproto import (
     Recv,
     Send,
     Welcome,
+    encode,
     member_proof,
 )
 from libs.relayproto.connection import Connection
@@ -107,11 +108,13 @@ class RelayClient:
     def send_now(self, dst: bytes, message: bytes) -> bool:
         """Queue a WireGuard message without waiting; False when this relay is down."""
         conn = self.conn
-        if conn is None or conn.closed:
+        if conn is None or conn.closed or conn.writer.transport.is_closing():
+            return False  # a dead relay: the link resends what it did not acknowledge
+        try:
+            conn.writer.write(encode(Send(dst, message)))
+        except RuntimeError:  # the transport closed under us (the relay died just now)
+            conn.closed = True
             return False
-        from libs.relayproto import encode
-
-        conn.writer.write(encode(Send(dst, message)))
         return True
 
     def backlog(self) -> int:

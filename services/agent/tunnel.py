@@ -69,6 +69,7 @@ class Bridge:
     opened: asyncio.Future[int] | None = None
     credit: asyncio.Event = field(default_factory=asyncio.Event)
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # both directions closed
+    early: list[bytes] = field(default_factory=list)  # arrived before the socket was attached
     written: int = 0  # delivered bytes written to the socket, not yet granted back
     draining: bool = False
     task: asyncio.Task[None] | None = None
@@ -265,7 +266,12 @@ class Tunnel:
     def _on_event(self, peer: Peer, event: object) -> None:
         if isinstance(event, Data):
             bridge = self.bridges.get((peer.key, event.stream))
-            if bridge is None or bridge.writer is None:
+            if bridge is None:
+                return
+            if bridge.writer is None:
+                # The peer may send as soon as it accepted, before our side of the splice is
+                # wired up: hold the bytes (at most the stream's credit window) until it is.
+                bridge.early.append(event.data)
                 return
             bridge.writer.write(event.data)
             bridge.written += len(event.data)
@@ -365,6 +371,12 @@ class Tunnel:
         is written as it arrives (see _on_event)."""
         bridge.reader, bridge.writer = reader, writer
         bridge.task = asyncio.current_task()
+        for data in bridge.early:
+            writer.write(data)
+            bridge.written += len(data)
+        bridge.early.clear()
+        if bridge.written:
+            self._grant(bridge)
         peer, stream = bridge.peer, bridge.stream
         link = peer.link
         try:
