@@ -131,7 +131,7 @@ class RankRunner:
                 stopped += 1
             if entry.waiter is not None:
                 await entry.waiter
-            del self.running[key]
+            self.running.pop(key, None)
         return stopped
 
     def read_log(

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 
+from libs.bus import Bus
+from libs.contracts import names
+from libs.contracts.base import now as utc_now
 from libs.contracts.epochs import Lease
+from libs.contracts.errors import NodusError
 from libs.contracts.fleet import NodeHealth, NodeRecord
+from libs.contracts.remediation import Cordon
 from services.placer.planner import Candidates
 
 
@@ -17,6 +24,7 @@ class ClusterView:
         self.records: dict[str, NodeRecord] = {}
         self.health: dict[str, NodeHealth] = {}
         self.leases: dict[str, Lease] = {}
+        self.cordons: dict[str, Cordon] = {}  # see follow_cordons below
         self.free = Candidates()
         self.registered = Candidates()
         self.inventory_version = 0  # bumps when the set of machines changes
@@ -55,7 +63,12 @@ class ClusterView:
     def refresh(self, node: str, now: datetime) -> bool:
         """Recompute whether `node` is free; True when that changed."""
         record = self.records.get(node)
-        free = record is not None and node not in self.leases and self.alive(node, now)
+        free = (
+            record is not None
+            and node not in self.leases
+            and self.alive(node, now)
+            and not cordoned(self.cordons, node)
+        )
         was = node in self.free
         if free and record is not None:
             if (
@@ -76,3 +89,29 @@ class ClusterView:
         for node in list(self.records):
             changed |= self.refresh(node, now)
         return changed
+
+
+# -- Cordons (issue 6, automated node repair) ------------------------------------------------------
+# A node with any cordon hold (a repair under way, a person's maintenance, a retired machine) is
+# never free. The remediator and people write `nodus-cordons`; the placer only reads it.
+
+
+def cordoned(cordons: Mapping[str, Cordon], node: str) -> bool:
+    cordon = cordons.get(node)
+    return cordon is not None and bool(cordon.holds)
+
+
+async def follow_cordons(bus: Bus, view: ClusterView, changed: Callable[[], None]) -> None:
+    """Keep `view.cordons` current; a node whose last hold is lifted may be placed on again."""
+    try:
+        bucket = bus.bucket(names.BUCKET_CORDONS, Cordon)
+    except NodusError as error:
+        logging.getLogger("nodus.placer").warning("cordons not followed: %s", error)
+        return
+    async for change in bucket.watch():
+        if change.value is None:
+            view.cordons.pop(change.key, None)
+        else:
+            view.cordons[change.key] = change.value
+        if view.refresh(change.key, utc_now()):
+            changed()

@@ -50,6 +50,8 @@ log = logging.getLogger("nodus.prober")
 R = TypeVar("R", bound=msgspec.Struct)
 VERSION = "0.1.0"
 
+USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (1 s) plus delivery
+
 PROBES = Counter("nodus_prober_probes_total", "Epoch probes by outcome", ["outcome"])
 PROBE_SECONDS = Histogram(
     "nodus_prober_probe_seconds",
@@ -77,6 +79,7 @@ class Prober:
         self.probes = bus.bucket(names.BUCKET_PROBES, ProbeRecord)
         self.ranks = bus.bucket(names.BUCKET_RANKS, RankStatus)
         self._active: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._concluding: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -87,7 +90,7 @@ class Prober:
         log.info("prober %s ready", self.replica)
 
     async def stop(self) -> None:
-        await cancel_and_wait([*self._tasks, *self._active.values()])
+        await cancel_and_wait([*self._tasks, *self._active.values(), *self._concluding.values()])
 
     # -- watching ------------------------------------------------------------------------------
 
@@ -107,10 +110,17 @@ class Prober:
         async for change in self.ranks.watch():
             status = change.value
             if status is not None and status.state != "Running":
-                try:
-                    await self._conclude(status.gang, status.epoch)
-                except Exception:
-                    log.exception("concluding %s epoch %d", status.gang, status.epoch)
+                key = (status.gang, status.epoch)
+                if key not in self._concluding:
+                    task = asyncio.create_task(self._conclude_logged(*key))
+                    self._concluding[key] = task
+                    task.add_done_callback(lambda _, k=key: self._concluding.pop(k, None))  # type: ignore[misc]
+
+    async def _conclude_logged(self, gang: str, epoch: int) -> None:
+        try:
+            await self._conclude(gang, epoch)
+        except Exception:
+            log.exception("concluding %s epoch %d", gang, epoch)
 
     # -- the probe -----------------------------------------------------------------------------
 
@@ -446,6 +456,8 @@ class Prober:
         self, gang: str, epoch: int, succeeded: bool, reason: str, message: str
     ) -> None:
         t = now()
+        # Relays publish what members sent once a second: wait for the last flush of the run.
+        await asyncio.sleep(USAGE_SETTLE_SECONDS)
         relay_bytes = await self._relay_bytes(gang)
 
         def finished(status: JobStatus) -> JobStatus:

@@ -37,7 +37,7 @@ class AlertSettings:
 def _token(text: str) -> str:
     cleaned = _UNSAFE.sub("-", text.lower()).strip("-")
     if not cleaned:
-        return "x"
+        return "root" if text.strip() == "/" else "x"
     if len(cleaned) > 40:  # long components keep a digest so keys stay distinct and short
         cleaned = cleaned[:31] + "-" + hashlib.sha256(text.encode()).hexdigest()[:8]
     return cleaned
@@ -89,7 +89,7 @@ def next_alert(
             xid=finding.xid,
             severity=finding.severity,
             summary=told.summary,
-            description=f"{told.description} Seen: {finding.detail}."[:2000],
+            description=f"{told.description} Seen: {finding.detail.rstrip('.')}."[:2000],
             source=report.source,
             action=told.action,
             state=AlertState.FIRING,

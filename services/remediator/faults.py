@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -328,8 +329,37 @@ def sticky_faults(directory: Path) -> list[Fault]:
 # -- what repairs do to the files ------------------------------------------------------------------
 
 
+def _rebuild(directory: Path, transform: Callable[[Path], None]) -> None:
+    """Change a machine's files in a staging copy, then swap each file in at once: a detector
+    reading meanwhile sees every file either before or after, never half-way."""
+    staging = directory.parent / f".{directory.name}.staging"
+    if staging.exists():
+        shutil.rmtree(staging)
+    if directory.exists():
+        shutil.copytree(directory, staging)
+    else:
+        staging.mkdir(parents=True)
+    transform(staging)
+    kept = set()
+    for path in sorted(staging.rglob("*")):
+        if path.is_file():
+            relative = path.relative_to(staging)
+            kept.add(relative)
+            target = directory / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+    for path in sorted(directory.rglob("*"), reverse=True):
+        if path.is_file() and path.relative_to(directory) not in kept:
+            path.unlink()
+    shutil.rmtree(staging)
+
+
 def reboot(directory: Path) -> None:
     """A new boot: volatile state starts over; hardware faults come back."""
+    _rebuild(directory, _reboot)
+
+
+def _reboot(directory: Path) -> None:
     ensure_baseline(directory)
     _write(directory / "kmsg", _boot_log())
     values = read_dcgm(directory / "dcgm.prom")
@@ -349,11 +379,14 @@ def reboot(directory: Path) -> None:
 
 def reprovision(directory: Path) -> None:
     """A clean image on the same host: local data is gone; the hardware is what it was."""
+    _rebuild(directory, _reprovision)
+
+
+def _reprovision(directory: Path) -> None:
     values = read_dcgm(directory / "dcgm.prom")
     hardware = {key: value for key, value in values.items() if key[0] in HARDWARE_FIELDS}
     sticky = sticky_faults(directory)
-    if directory.exists():
-        shutil.rmtree(directory)
+    shutil.rmtree(directory)
     ensure_baseline(directory)
     if hardware:
         base = read_dcgm(directory / "dcgm.prom")

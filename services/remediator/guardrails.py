@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -119,7 +120,7 @@ def take_slot(
     scope: str,
     holder: str,
     limit: int,
-    live: set[str],
+    live: Container[str],
     now: datetime,
     grace: timedelta,
 ) -> RepairSlots | None:

@@ -8,6 +8,7 @@ decision); the shell writes it with compare-and-set, so a step is taken once."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
@@ -25,6 +26,12 @@ from libs.contracts.remediation import (
 )
 
 MAX_HISTORY = 50
+
+
+def remediation_id(node: str, *parts: object) -> str:
+    """Derived from what the repair is about, so replicas agree on it: `<node>.<digest>`."""
+    digest = hashlib.sha256("\x00".join(str(p) for p in parts).encode()).hexdigest()[:10]
+    return f"{node}.{digest}"
 
 
 def move(
@@ -111,11 +118,11 @@ def idle_decision(rem: Remediation, running: list[str], now: datetime) -> IdleDe
 
 
 def issue_decision(
-    rem: Remediation, boot_id: str, beat_time: datetime | None, executed: bool
+    rem: Remediation, boot_id: str, executed: bool
 ) -> tuple[Literal["issue", "skip"], str]:
     """Before the action is issued (or issued again after a restart): R12, a host whose boot id
     changed since the repair started already came back and is not rebooted or cycled again;
-    any action the provider already carried out for this op is not repeated (R14)."""
+    an action the provider already carried out for this op is not repeated (R14)."""
     if executed:
         return "skip", f"the provider already carried out {rem.op_id}"
     if (
@@ -123,9 +130,6 @@ def issue_decision(
         and rem.boot_id_before
         and boot_id
         and boot_id != rem.boot_id_before
-        and beat_time is not None
-        and rem.started_time is not None
-        and beat_time >= rem.started_time
     ):
         return "skip", (
             f"boot id changed from {rem.boot_id_before} to {boot_id}: the host already came "
@@ -134,20 +138,13 @@ def issue_decision(
     return "issue", ""
 
 
-def came_back(
-    rem: Remediation,
-    boot_id: str,
-    beat_time: datetime | None,
-    host_id: str,
-    retired: bool,
-) -> bool:
-    """Did the machine come back from the action? A new boot id with a heartbeat after the
-    action; after a migrate also a new host; a deleted machine is back once retired."""
+def came_back(rem: Remediation, boot_id: str, host_id: str, retired: bool) -> bool:
+    """Did the machine come back from the action? A new boot id (its agent registered again
+    after booting); after a migrate also on a new host; a deleted machine once retired."""
     if rem.action is Action.DELETE:
         return retired
-    if rem.issued_time is None or beat_time is None or beat_time < rem.issued_time:
-        if not rem.issue_skipped:
-            return False
+    if rem.issued_time is None:
+        return False
     fresh_boot = bool(boot_id) and boot_id != rem.boot_id_before
     if rem.action is Action.MIGRATE:
         return fresh_boot and bool(host_id) and host_id != rem.host_before

@@ -10,7 +10,6 @@ records say it stood (R14)."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import secrets
 import time
@@ -25,7 +24,6 @@ from libs.bus.kv import Bucket
 from libs.contracts import names
 from libs.contracts.base import now as utc_now
 from libs.contracts.epochs import Lease
-from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.remediation import (
     Action,
@@ -34,7 +32,6 @@ from libs.contracts.remediation import (
     Approver,
     ApproveRequest,
     Breaker,
-    BreakerReply,
     BreakerResetRequest,
     CancelRequest,
     Cordon,
@@ -45,7 +42,6 @@ from libs.contracts.remediation import (
     Policy,
     Recommendation,
     Remediation,
-    RemediationReply,
     RemediationState,
     RepairRequest,
     RepairSlots,
@@ -57,23 +53,18 @@ from libs.runtime.tasks import cancel_and_wait
 from services.remediator import alerts as alert_rules
 from services.remediator import guardrails, ladder, lifecycle, metrics, policy
 from services.remediator.alerts import AlertSettings, Placement
+from services.remediator.api import Api
 from services.remediator.decide import effective_action, has_failed_check, recommend
 from services.remediator.gangs import restart_gangs
+from services.remediator.lifecycle import remediation_id
 from services.remediator.provider import MachineProvider
 
 log = logging.getLogger("nodus.remediator")
 VERSION = "0.1.0"
 REMEDIATOR_HOLD = "remediator"  # the remediator's cordon hold; it never lifts anyone else's
 RETIRED_HOLD = "retired"
-EXTERNAL_ACTIONS = (Action.REBOOT, Action.REPROVISION, Action.MIGRATE)
 
 S = TypeVar("S", bound=msgspec.Struct)
-
-
-def remediation_id(node: str, *parts: object) -> str:
-    """Derived from what the repair is about, so replicas agree on it: `<node>.<digest>`."""
-    digest = hashlib.sha256("\x00".join(str(p) for p in parts).encode()).hexdigest()[:10]
-    return f"{node}.{digest}"
 
 
 class _View(dict[str, Versioned[S]]):
@@ -137,7 +128,9 @@ class Remediator:
         self._alerts_of: dict[str, set[str]] = {}
         self._rems_of: dict[str, set[str]] = {}
         self._clusters: dict[str, set[str]] = {}
-        self._reports: dict[str, dict[str, SignalReport]] = {}
+        self._slots: _View[RepairSlots] = _View()  # our own writes only; checked by CAS
+        self._live = _Live(self.rems)
+        self._reports: dict[str, dict[str, tuple[SignalReport, float]]] = {}
         self._last_report: dict[str, datetime] = {}
         self._reported_at: dict[str, float] = {}
         self._queue: asyncio.Queue[str] = asyncio.Queue()
@@ -149,6 +142,7 @@ class Remediator:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._workers = workers
+        self.api = Api(self)
 
     # -- start and stop ------------------------------------------------------------------------
 
@@ -183,20 +177,22 @@ class Remediator:
             VERSION,
             "Detects faults, decides, approves, repairs and revalidates nodes",
             [
-                Endpoint("approve", names.API_REMEDIATION_APPROVE, ApproveRequest, self.approve),
-                Endpoint("cancel", names.API_REMEDIATION_CANCEL, CancelRequest, self.cancel),
+                Endpoint(
+                    "approve", names.API_REMEDIATION_APPROVE, ApproveRequest, self.api.approve
+                ),
+                Endpoint("cancel", names.API_REMEDIATION_CANCEL, CancelRequest, self.api.cancel),
                 Endpoint(
                     "request",
                     names.API_REMEDIATION_REQUEST,
                     RepairRequest,
-                    self.request_repair,
+                    self.api.request_repair,
                     concurrency=16,
                 ),
                 Endpoint(
                     "breaker-reset",
                     names.API_REMEDIATION_BREAKER_RESET,
                     BreakerResetRequest,
-                    self.reset_breaker,
+                    self.api.reset_breaker,
                 ),
             ],
             queue_group="nodus-remediator",
@@ -288,7 +284,8 @@ class Remediator:
                 metrics.SIGNALS_DROPPED.labels("stale").inc()
                 continue
             self._last_report[change.key] = report.observed_time
-            self._reports.setdefault(report.node, {})[report.source] = report
+            received = time.perf_counter()
+            self._reports.setdefault(report.node, {})[report.source] = (report, received)
             self.mark(report.node)
 
     # -- the reconcile loop --------------------------------------------------------------------
@@ -301,24 +298,33 @@ class Remediator:
             self._queue.put_nowait(node)
 
     async def _ticker(self) -> None:
-        """Time moves decisions too: persistence windows, idle deadlines, cooldowns."""
+        """Time moves decisions too: persistence windows, idle deadlines, cooldowns, timeouts.
+        Only what waits on time is looked at again; everything else moves on events."""
         while True:
             await asyncio.sleep(self.tick_seconds)
-            for node, ids in list(self._alerts_of.items()):
-                if any(
-                    (a := self.alerts.get(i)) is not None
-                    and a.value.state is AlertState.FIRING
-                    and a.value.action is not Action.NONE
-                    for i in ids
-                ):
-                    self.mark(node)
-            for node, ids in list(self._rems_of.items()):
-                if any(
-                    (r := self.rems.get(i)) is not None and (r.value.active or not r.value.settled)
-                    for i in ids
-                ):
-                    self.mark(node)
+            for node in self._waiting_on_time():
+                self.mark(node)
             self._gauges()
+
+    def _waiting_on_time(self) -> set[str]:
+        nodes: set[str] = set()
+        for alert in self.alerts.values():
+            a = alert.value
+            if (
+                a.state is AlertState.FIRING
+                and a.action is not Action.NONE
+                and (a.id not in self.recs or self.recs[a.id].value.generation != a.generation)
+            ):
+                nodes.add(a.node)
+        for rec in self.recs.values():
+            r = rec.value
+            if r.remediation_id != remediation_id(r.node, r.alert_id, r.generation):
+                nodes.add(r.node)
+        for rem in self.rems.values():
+            m = rem.value
+            if (m.active and m.state is not RemediationState.PENDING) or not m.settled:
+                nodes.add(m.node)
+        return nodes
 
     def _gauges(self) -> None:
         metrics.ALERTS_FIRING.set(
@@ -350,8 +356,8 @@ class Remediator:
                     self.mark(node)
 
     async def reconcile(self, node: str) -> None:
-        for report in self._reports.pop(node, {}).values():
-            await self._apply_report(report)
+        for report, received in self._reports.pop(node, {}).values():
+            await self._apply_report(report, received)
         now = self.clock()
         await self._recommend(node, now)
         await self._create(node, now)
@@ -368,7 +374,7 @@ class Remediator:
 
     # -- signals to alerts (R1, R2) ------------------------------------------------------------
 
-    async def _apply_report(self, report: SignalReport) -> None:
+    async def _apply_report(self, report: SignalReport, received: float) -> None:
         metrics.SIGNALS.labels(report.source).inc()
         now = self.clock()
         record = self.nodes.get(report.node)
@@ -393,7 +399,7 @@ class Remediator:
             if written is None:
                 continue
             self._alerts_of.setdefault(report.node, set()).add(aid)
-            self._reported_at[aid] = time.perf_counter()
+            self._reported_at[aid] = received
             was = before.value.state if before else None
             if written.value.state is not was:
                 metrics.ALERTS.labels(written.value.kind.value, written.value.state.value).inc()
@@ -459,12 +465,20 @@ class Remediator:
             return  # an unknown node cannot be placed in a cluster or pool: wait for it
         active = self._active_of(node)
         candidates = sorted(
-            (r.value for r in self.recs.values() if r.value.node == node),
+            (
+                found.value
+                for aid in self._alerts_of.get(node, set())
+                if (found := self.recs.get(aid)) is not None
+            ),
             key=lambda r: (-ladder.RUNG.get(r.action, 0), r.severity != "critical", r.id),
         )
         for rec in candidates:
             rid = remediation_id(node, rec.alert_id, rec.generation)
             if rid in self.rems:
+                if rec.remediation_id != rid:  # created by a replica that stopped before this
+                    await self._mutate(
+                        self.rec_bucket, self.recs, rec.id, _link(rid, rec.generation)
+                    )
                 continue
             if any(r.id != rid for r in active):
                 return  # one repair at a time per node; this one waits its turn
@@ -542,32 +556,36 @@ class Remediator:
             return new
 
         before = self.breakers.get(cluster)
-        written = await self._mutate(self.breaker_bucket, self.breakers, cluster, change)
+        written = await self._mutate(
+            self.breaker_bucket, self.breakers, cluster, change, exact=True
+        )
         if written is not None and written.value.open and not (before and before.value.open):
             metrics.BREAKER_TRIPS.labels(cluster).inc()
             log.warning("breaker of cluster %s opened: %s", cluster, written.value.opened_reason)
         return admitted
 
     async def _take(self, scope: str, holder: str, limit: int, now: datetime) -> bool:
-        live = {r.key for r in self.rems.values() if r.value.active} | {holder}
-
         def change(current: RepairSlots | None) -> RepairSlots | None:
             taken = guardrails.take_slot(
-                current, scope, holder, limit, live, now, self.settings.slot_grace
+                current, scope, holder, limit, self._live, now, self.settings.slot_grace
             )
             if taken is None:
                 raise _Full
             return None if taken is current else taken
 
         try:
-            await self.slot_bucket.mutate(scope, change)
+            await self._mutate(self.slot_bucket, self._slots, scope, change, exact=True)
         except _Full:
             return False
         return True
 
     async def _release(self, scope: str, holder: str) -> None:
-        await self.slot_bucket.mutate(
-            scope, lambda current: guardrails.release_slot(current, holder)
+        await self._mutate(
+            self.slot_bucket,
+            self._slots,
+            scope,
+            lambda current: guardrails.release_slot(current, holder),
+            exact=True,
         )
 
     # -- the state machine (R6, R12, R14, R15) ---------------------------------------------------
@@ -725,7 +743,6 @@ class Remediator:
         rem = current.value
         health = self.health.get(rem.node)
         boot_id = health.value.boot_id if health else ""
-        beat = health.value.heartbeat_time if health else None
         if rem.issued_time is None:
             mine = rem.executor == self.replica
             stale = rem.claim_time is None or now - rem.claim_time > self.settings.claim_grace
@@ -740,7 +757,7 @@ class Remediator:
                     return
                 current, rem = claimed, claimed.value
             executed = await self.provider.executed(rem.node, rem.op_id)
-            decision, why = lifecycle.issue_decision(rem, boot_id, beat, executed)
+            decision, why = lifecycle.issue_decision(rem, boot_id, executed)
             if decision == "issue":
                 try:
                     await self.provider.execute(rem.node, rem.action, rem.op_id)
@@ -770,7 +787,7 @@ class Remediator:
             )
             return
         host, retired = await self.provider.host(rem.node)
-        if lifecycle.came_back(rem, boot_id, beat, host, retired):
+        if lifecycle.came_back(rem, boot_id, host, retired):
             await self._write(
                 current,
                 lifecycle.move(
@@ -939,220 +956,6 @@ class Remediator:
                 return
         await self._lift_cordon(node)
 
-    # -- the API (R5, R7, R8, R13) ---------------------------------------------------------------
-
-    def _find(self, ident: str) -> Versioned[Remediation]:
-        found = self.rems.get(ident)
-        if found is None:
-            rec = self.recs.get(ident)
-            if rec is not None and rec.value.remediation_id:
-                found = self.rems.get(rec.value.remediation_id)
-        if found is None:
-            raise NodusError(ErrorCode.NOT_FOUND, f"no remediation or recommendation {ident}")
-        return found
-
-    async def approve(self, request: ApproveRequest) -> RemediationReply:
-        now = self.clock()
-        rid = self._find(request.id).key
-        approver = Approver(kind="human", name=request.approver, rule="approved by a person")
-
-        def change(rem: Remediation | None) -> Remediation | None:
-            if rem is None:
-                raise NodusError(ErrorCode.NOT_FOUND, f"remediation {rid} is gone")
-            if rem.state is not RemediationState.PENDING:
-                if rem.active:
-                    return None  # approved already
-                raise NodusError(
-                    ErrorCode.CONFLICT,
-                    f"remediation {rid} ended ({rem.state.value}); nothing to approve",
-                )
-            return lifecycle.approve(rem, approver, now)
-
-        written = await self._mutate(self.rem_bucket, self.rems, rid, change)
-        rem = written.value if written else self.rems[rid].value
-        if written is not None:
-            self._rem_event(rem, written.revision)
-        self.mark(rem.node)
-        return RemediationReply(remediation=rem)
-
-    async def cancel(self, request: CancelRequest) -> RemediationReply:
-        rid = self._find(request.id).key
-        now = self.clock()
-
-        def change(rem: Remediation | None) -> Remediation | None:
-            if rem is None:
-                raise NodusError(ErrorCode.NOT_FOUND, f"remediation {rid} is gone")
-            if not rem.active:
-                return None
-            if rem.state in (RemediationState.RUNNING, RemediationState.REVALIDATING):
-                raise NodusError(
-                    ErrorCode.CONFLICT,
-                    f"remediation {rid} is {rem.state.value}: a repair is not stopped half-way",
-                )
-            reason = f"cancelled by {request.by}" + (
-                f": {request.reason}" if request.reason else ""
-            )
-            return lifecycle.finish(rem, Outcome.CANCELLED, now, request.by, reason)
-
-        written = await self._mutate(self.rem_bucket, self.rems, rid, change)
-        rem = written.value if written else self.rems[rid].value
-        if written is not None:
-            self._rem_event(rem, written.revision)
-        self.mark(rem.node)
-        return RemediationReply(remediation=rem)
-
-    async def reset_breaker(self, request: BreakerResetRequest) -> BreakerReply:
-        now = self.clock()
-        written = await self._mutate(
-            self.breaker_bucket,
-            self.breakers,
-            request.cluster,
-            lambda b: guardrails.breaker_reset(b, request.cluster, request.by, now),
-        )
-        breaker = written.value if written else Breaker(cluster=request.cluster)
-        log.warning("breaker of cluster %s reset by %s", request.cluster, request.by)
-        return BreakerReply(breaker=breaker)
-
-    async def request_repair(self, request: RepairRequest) -> RemediationReply:
-        """R8: recorded as an external requester; (detector, request id) is idempotent; no
-        Delete; skips approval, not the evidence gate, the capacity check, the budget (at
-        execution) nor the per-cluster cap."""
-        rid = remediation_id(request.node, "external", request.detector, request.request_id)
-        existing = self.rems.get(rid) or await self.rem_bucket.get(rid)
-        if existing is not None:
-            metrics.EXTERNAL.labels("repeated").inc()
-            return RemediationReply(remediation=existing.value, created=False)
-        try:
-            rem = self._external(request, rid, self.clock())
-            if not await self.provider.has_capacity(request.node, rem.action):
-                raise NodusError(
-                    ErrorCode.CONFLICT, f"no capacity for {rem.action.value} of {request.node} now"
-                )
-            if not await self._take(f"node.{request.node}", rid, 1, rem.created_time):
-                busy = ", ".join(r.id for r in self._active_of(request.node)) or "another repair"
-                raise NodusError(
-                    ErrorCode.CONFLICT, f"{request.node} is already being repaired ({busy})"
-                )
-        except NodusError as error:
-            metrics.EXTERNAL.labels(error.code.value).inc()
-            raise
-        revision = await self.rem_bucket.create(rid, rem)
-        if revision is None:
-            found = await self.rem_bucket.get(rid)
-            if found is None:
-                raise NodusError(ErrorCode.CONFLICT, f"remediation {rid} raced; retry")
-            return RemediationReply(remediation=found.value, created=False)
-        self.rems.apply(rid, rem, revision)
-        self._rems_of.setdefault(request.node, set()).add(rid)
-        self._rem_event(rem, revision)
-        metrics.EXTERNAL.labels("created").inc()
-        self.mark(request.node)
-        return RemediationReply(remediation=rem, created=True)
-
-    def _external(self, request: RepairRequest, rid: str, now: datetime) -> Remediation:
-        if request.action not in EXTERNAL_ACTIONS:
-            raise NodusError(
-                ErrorCode.INVALID,
-                f"external detectors may ask Reboot, Reprovision or Migrate, not "
-                f"{request.action.value}: delete is always a person's decision (R8)",
-                field="$.action",
-            )
-        if any(e.node != request.node for e in request.evidence):
-            raise NodusError(
-                ErrorCode.INVALID,
-                "every piece of evidence must be about the one target node (one target per repair)",
-                field="$.evidence",
-            )
-        if not has_failed_check(request.evidence):
-            raise NodusError(
-                ErrorCode.INVALID,
-                "no failed health check in the evidence (raw lines or values, and not "
-                "NotReady alone): no repair without one (R3)",
-                field="$.evidence",
-            )
-        record = self.nodes.get(request.node)
-        if record is None:
-            raise NodusError(ErrorCode.NOT_FOUND, f"node {request.node} is not registered")
-        cluster, pool = record.value.inventory.cluster, record.value.inventory.pool
-        externals = [
-            r.value
-            for r in self.rems.values()
-            if r.value.active
-            and r.value.cluster == cluster
-            and r.value.requester.kind == "external"
-        ]
-        if len(externals) >= self.settings.external_cap:
-            raise NodusError(
-                ErrorCode.CONFLICT,
-                f"cluster {cluster} already has {len(externals)} external repairs under way "
-                f"(per-cluster cap {self.settings.external_cap})",
-            )
-        size = self._cluster_size(cluster)
-        out = {
-            r.value.node
-            for r in self.rems.values()
-            if r.value.active and r.value.cluster == cluster
-        } | {
-            key
-            for key, c in self.cordons.items()
-            if c.value.holds and key in self._clusters.get(cluster, set())
-        }
-        if (
-            size
-            and (size - len(out | {request.node})) / size < self.settings.min_available_fraction
-        ):
-            raise NodusError(
-                ErrorCode.CONFLICT,
-                f"capacity check: cluster {cluster} would keep fewer than "
-                f"{self.settings.min_available_fraction:.0%} of its {size} nodes in service",
-            )
-        # R11 looks at the node's own critical alerts too.
-        critical = [
-            e
-            for i in self._alerts_of.get(request.node, set())
-            if (a := self.alerts.get(i)) is not None and a.value.state is AlertState.FIRING
-            for e in a.value.evidence
-        ]
-        action, r11 = effective_action(request.action, [*request.evidence, *critical])
-        reason = "external requests skip the approval queue (R8)"
-        rule = f"external detector {request.detector} asked {request.action.value}"
-        if request.reason:
-            rule += f" ({request.reason[:200]})"
-        if r11:
-            rule += f"; {r11}"
-        return Remediation(
-            id=rid,
-            node=request.node,
-            cluster=cluster,
-            pool=pool,
-            action=action,
-            requested_action=request.action,
-            state=RemediationState.APPROVED,
-            reason=reason,
-            requester=Requester(
-                kind="external",
-                name=f"external:{request.detector}",
-                detector=request.detector,
-                request_id=request.request_id,
-            ),
-            approver=Approver(kind="policy", name="policy", rule=reason),
-            rule=rule,
-            evidence=request.evidence,
-            severity="critical"
-            if any(e.severity == "critical" for e in request.evidence)
-            else "warning",
-            created_time=now,
-            approved_time=now,
-            history=[
-                Transition(
-                    state=RemediationState.APPROVED,
-                    time=now,
-                    by=f"external:{request.detector}",
-                    reason=reason,
-                )
-            ],
-        )
-
     # -- writes ----------------------------------------------------------------------------------
 
     async def _mutate(
@@ -1161,7 +964,29 @@ class Remediator:
         view: _View[S],
         key: str,
         change: Callable[[S | None], S | None],
+        exact: bool = False,
     ) -> Versioned[S] | None:
+        """Compare-and-set from what the view holds (no read when it is current); when the
+        view was stale the write is refused and it is done again from a fresh read. With
+        `exact`, a "nothing to change" or a refusal decided on the view is checked again on a
+        fresh read too (the breaker and the slots count exactly)."""
+        cached = view.get(key)
+        try:
+            new = change(cached.value if cached else None)
+        except _Full:
+            new = None
+            if not exact:
+                raise
+        if new is not None:
+            if cached is None:
+                revision = await bucket.create(key, new)
+            else:
+                revision = await bucket.update(key, new, cached.revision)
+            if revision is not None:
+                view.apply(key, new, revision)
+                return Versioned(key, new, revision)
+        elif not exact:
+            return None
         written = await bucket.mutate(key, change)
         if written is not None:
             view.apply(key, written.value, written.revision)
@@ -1214,6 +1039,17 @@ def _link(rid: str, generation: int) -> Callable[[Recommendation | None], Recomm
         return msgspec.structs.replace(rec, remediation_id=rid)
 
     return change
+
+
+class _Live:
+    """Holders of slots that still hold them: repairs not ended."""
+
+    def __init__(self, rems: _View[Remediation]) -> None:
+        self._rems = rems
+
+    def __contains__(self, holder: object) -> bool:
+        found = self._rems.get(str(holder))
+        return found is not None and found.value.active
 
 
 class _Full(Exception):

@@ -1,0 +1,259 @@
+"""The remediator's request/reply API (R5, R7, R8, R13): approvals and cancellations by
+people, repair requests from external detectors, breaker resets. Each answer is a record the
+CLI prints as is; each refusal a readable error with a stable code."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from libs.bus import Versioned
+from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.remediation import (
+    Action,
+    AlertState,
+    Approver,
+    ApproveRequest,
+    Breaker,
+    BreakerReply,
+    BreakerResetRequest,
+    CancelRequest,
+    Outcome,
+    Remediation,
+    RemediationReply,
+    RemediationState,
+    RepairRequest,
+    Requester,
+    Transition,
+)
+from services.remediator import guardrails, lifecycle, metrics
+from services.remediator.decide import effective_action, has_failed_check
+from services.remediator.lifecycle import remediation_id
+
+if TYPE_CHECKING:
+    from services.remediator.service import Remediator
+
+log = logging.getLogger("nodus.remediator")
+EXTERNAL_ACTIONS = (Action.REBOOT, Action.REPROVISION, Action.MIGRATE)
+
+
+class Api:
+    def __init__(self, remediator: Remediator) -> None:
+        self.r = remediator
+
+    async def _find(self, ident: str) -> Versioned[Remediation]:
+        """By remediation id, or by the id of the recommendation (alert) it came from; from
+        the bus when this replica's view has not seen it yet."""
+        found = self.r.rems.get(ident) or await self.r.rem_bucket.get(ident)
+        if found is None:
+            rec = self.r.recs.get(ident) or await self.r.rec_bucket.get(ident)
+            if rec is not None and rec.value.remediation_id:
+                rid = rec.value.remediation_id
+                found = self.r.rems.get(rid) or await self.r.rem_bucket.get(rid)
+        if found is None:
+            raise NodusError(ErrorCode.NOT_FOUND, f"no remediation or recommendation {ident}")
+        self.r.rems.apply(found.key, found.value, found.revision)
+        return found
+
+    async def approve(self, request: ApproveRequest) -> RemediationReply:
+        now = self.r.clock()
+        rid = (await self._find(request.id)).key
+        approver = Approver(kind="human", name=request.approver, rule="approved by a person")
+
+        def change(rem: Remediation | None) -> Remediation | None:
+            if rem is None:
+                raise NodusError(ErrorCode.NOT_FOUND, f"remediation {rid} is gone")
+            if rem.state is not RemediationState.PENDING:
+                if rem.active:
+                    return None  # approved already
+                raise NodusError(
+                    ErrorCode.CONFLICT,
+                    f"remediation {rid} ended ({rem.state.value}); nothing to approve",
+                )
+            return lifecycle.approve(rem, approver, now)
+
+        written = await self.r._mutate(self.r.rem_bucket, self.r.rems, rid, change)
+        rem = written.value if written else self.r.rems[rid].value
+        if written is not None:
+            self.r._rem_event(rem, written.revision)
+        self.r.mark(rem.node)
+        return RemediationReply(remediation=rem)
+
+    async def cancel(self, request: CancelRequest) -> RemediationReply:
+        rid = (await self._find(request.id)).key
+        now = self.r.clock()
+
+        def change(rem: Remediation | None) -> Remediation | None:
+            if rem is None:
+                raise NodusError(ErrorCode.NOT_FOUND, f"remediation {rid} is gone")
+            if not rem.active:
+                return None
+            if rem.state in (RemediationState.RUNNING, RemediationState.REVALIDATING):
+                raise NodusError(
+                    ErrorCode.CONFLICT,
+                    f"remediation {rid} is {rem.state.value}: a repair is not stopped half-way",
+                )
+            reason = f"cancelled by {request.by}" + (
+                f": {request.reason}" if request.reason else ""
+            )
+            return lifecycle.finish(rem, Outcome.CANCELLED, now, request.by, reason)
+
+        written = await self.r._mutate(self.r.rem_bucket, self.r.rems, rid, change)
+        rem = written.value if written else self.r.rems[rid].value
+        if written is not None:
+            self.r._rem_event(rem, written.revision)
+        self.r.mark(rem.node)
+        return RemediationReply(remediation=rem)
+
+    async def reset_breaker(self, request: BreakerResetRequest) -> BreakerReply:
+        now = self.r.clock()
+        written = await self.r._mutate(
+            self.r.breaker_bucket,
+            self.r.breakers,
+            request.cluster,
+            lambda b: guardrails.breaker_reset(b, request.cluster, request.by, now),
+        )
+        breaker = written.value if written else Breaker(cluster=request.cluster)
+        log.warning("breaker of cluster %s reset by %s", request.cluster, request.by)
+        return BreakerReply(breaker=breaker)
+
+    async def request_repair(self, request: RepairRequest) -> RemediationReply:
+        """R8: recorded as an external requester; (detector, request id) is idempotent; no
+        Delete; skips approval, not the evidence gate, the capacity check, the budget (at
+        execution) nor the per-cluster cap."""
+        rid = remediation_id(request.node, "external", request.detector, request.request_id)
+        existing = self.r.rems.get(rid) or await self.r.rem_bucket.get(rid)
+        if existing is not None:
+            metrics.EXTERNAL.labels("repeated").inc()
+            return RemediationReply(remediation=existing.value, created=False)
+        try:
+            rem = self._external(request, rid, self.r.clock())
+            if not await self.r.provider.has_capacity(request.node, rem.action):
+                raise NodusError(
+                    ErrorCode.CONFLICT, f"no capacity for {rem.action.value} of {request.node} now"
+                )
+            if not await self.r._take(f"node.{request.node}", rid, 1, rem.created_time):
+                busy = ", ".join(r.id for r in self.r._active_of(request.node)) or "another repair"
+                raise NodusError(
+                    ErrorCode.CONFLICT, f"{request.node} is already being repaired ({busy})"
+                )
+        except NodusError as error:
+            metrics.EXTERNAL.labels(error.code.value).inc()
+            raise
+        revision = await self.r.rem_bucket.create(rid, rem)
+        if revision is None:
+            found = await self.r.rem_bucket.get(rid)
+            if found is None:
+                raise NodusError(ErrorCode.CONFLICT, f"remediation {rid} raced; retry")
+            return RemediationReply(remediation=found.value, created=False)
+        self.r.rems.apply(rid, rem, revision)
+        self.r._rems_of.setdefault(request.node, set()).add(rid)
+        self.r._rem_event(rem, revision)
+        metrics.EXTERNAL.labels("created").inc()
+        self.r.mark(request.node)
+        return RemediationReply(remediation=rem, created=True)
+
+    def _external(self, request: RepairRequest, rid: str, now: datetime) -> Remediation:
+        if request.action not in EXTERNAL_ACTIONS:
+            raise NodusError(
+                ErrorCode.INVALID,
+                f"external detectors may ask Reboot, Reprovision or Migrate, not "
+                f"{request.action.value}: delete is always a person's decision (R8)",
+                field="$.action",
+            )
+        if any(e.node != request.node for e in request.evidence):
+            raise NodusError(
+                ErrorCode.INVALID,
+                "every piece of evidence must be about the one target node (one target per repair)",
+                field="$.evidence",
+            )
+        if not has_failed_check(request.evidence):
+            raise NodusError(
+                ErrorCode.INVALID,
+                "no failed health check in the evidence (raw lines or values, and not "
+                "NotReady alone): no repair without one (R3)",
+                field="$.evidence",
+            )
+        record = self.r.nodes.get(request.node)
+        if record is None:
+            raise NodusError(ErrorCode.NOT_FOUND, f"node {request.node} is not registered")
+        cluster, pool = record.value.inventory.cluster, record.value.inventory.pool
+        externals = [
+            r.value
+            for r in self.r.rems.values()
+            if r.value.active
+            and r.value.cluster == cluster
+            and r.value.requester.kind == "external"
+        ]
+        if len(externals) >= self.r.settings.external_cap:
+            raise NodusError(
+                ErrorCode.CONFLICT,
+                f"cluster {cluster} already has {len(externals)} external repairs under way "
+                f"(per-cluster cap {self.r.settings.external_cap})",
+            )
+        size = self.r._cluster_size(cluster)
+        out = {
+            r.value.node
+            for r in self.r.rems.values()
+            if r.value.active and r.value.cluster == cluster
+        } | {
+            key
+            for key, c in self.r.cordons.items()
+            if c.value.holds and key in self.r._clusters.get(cluster, set())
+        }
+        if (
+            size
+            and (size - len(out | {request.node})) / size < self.r.settings.min_available_fraction
+        ):
+            raise NodusError(
+                ErrorCode.CONFLICT,
+                f"capacity check: cluster {cluster} would keep fewer than "
+                f"{self.r.settings.min_available_fraction:.0%} of its {size} nodes in service",
+            )
+        # R11 looks at the node's own critical alerts too.
+        critical = [
+            e
+            for i in self.r._alerts_of.get(request.node, set())
+            if (a := self.r.alerts.get(i)) is not None and a.value.state is AlertState.FIRING
+            for e in a.value.evidence
+        ]
+        action, r11 = effective_action(request.action, [*request.evidence, *critical])
+        reason = "external requests skip the approval queue (R8)"
+        rule = f"external detector {request.detector} asked {request.action.value}"
+        if request.reason:
+            rule += f" ({request.reason[:200]})"
+        if r11:
+            rule += f"; {r11}"
+        return Remediation(
+            id=rid,
+            node=request.node,
+            cluster=cluster,
+            pool=pool,
+            action=action,
+            requested_action=request.action,
+            state=RemediationState.APPROVED,
+            reason=reason,
+            requester=Requester(
+                kind="external",
+                name=f"external:{request.detector}",
+                detector=request.detector,
+                request_id=request.request_id,
+            ),
+            approver=Approver(kind="policy", name="policy", rule=reason),
+            rule=rule,
+            evidence=request.evidence,
+            severity="critical"
+            if any(e.severity == "critical" for e in request.evidence)
+            else "warning",
+            created_time=now,
+            approved_time=now,
+            history=[
+                Transition(
+                    state=RemediationState.APPROVED,
+                    time=now,
+                    by=f"external:{request.detector}",
+                    reason=reason,
+                )
+            ],
+        )

@@ -1,0 +1,275 @@
+"""`nodus monitor`: the detector runner. Reads each machine's inputs (kernel log, DCGM, NPD,
+InfiniBand sysfs), probes host reachability, notes missing heartbeats, and writes one
+level-triggered `SignalReport` per node and source to `nodus-signals` (`<node>.<source>`)
+when what it sees changes, and at least every `keepalive` seconds.
+
+Under `nodus up` it runs for every local machine, reading `STATE_DIR/machines/NAME/`; on a real
+host it runs for the machine it sits on (`--node` with `--kmsg`, `--dcgm`, `--npd`,
+`--infiniband`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from libs.bus import Bus
+from libs.contracts import names
+from libs.contracts.api import NodeInfoReply, NodeInfoRequest
+from libs.contracts.base import now as utc_now
+from libs.contracts.errors import NodusError
+from libs.contracts.fleet import NodeHealth
+from libs.contracts.remediation import Finding, SignalReport
+from libs.runtime import add_common_flags, run_daemon
+from libs.runtime.tasks import cancel_and_wait
+from services.remediator import faults, metrics
+from services.remediator.detectors.machine import MachineDetectors, MachinePaths
+from services.remediator.detectors.reachability import Reachability, heartbeat
+
+log = logging.getLogger("nodus.monitor")
+
+
+def _signature(findings: list[Finding]) -> frozenset[tuple[str, str, int | None, str]]:
+    return frozenset((f.kind.value, f.subject, f.xid, f.severity) for f in findings)
+
+
+class Monitor:
+    def __init__(
+        self,
+        bus: Bus,
+        machines: dict[str, MachinePaths],
+        interval: float = 1.0,
+        keepalive: float = 60.0,
+        reachability: bool = True,
+        probe_timeout: float = 1.0,
+        unreachable_after: int = 3,
+        heartbeat_timeout: float = 15.0,
+        blackholes: dict[str, Path] | None = None,
+        clock: Callable[[], datetime] = utc_now,
+    ) -> None:
+        self.bus = bus
+        self.interval = interval
+        self.keepalive = timedelta(seconds=keepalive)
+        self.reachability = reachability
+        self.probe_timeout = probe_timeout
+        self.heartbeat_timeout = timedelta(seconds=heartbeat_timeout)
+        self.blackholes = blackholes or {}
+        self.clock = clock
+        self.detectors = {node: MachineDetectors(node, paths) for node, paths in machines.items()}
+        self.probes = {
+            node: Reachability(node, f"{names.node_request(node, 'info')}", unreachable_after)
+            for node in machines
+        }
+        self.signals = bus.bucket(names.BUCKET_SIGNALS, SignalReport)
+        self.health_bucket = bus.bucket(names.BUCKET_HEALTH, NodeHealth)
+        self.health: dict[str, NodeHealth] = {}
+        self._sent: dict[str, tuple[frozenset[tuple[str, str, int | None, str]], datetime]] = {}
+        self._malformed: dict[tuple[str, str], int] = {}
+        self._started = utc_now()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def follow_health(self) -> None:
+        """Heartbeats and boot ids, for NotReady and for the reports; `start` calls it."""
+        caught_up = asyncio.Event()
+        self._tasks.append(asyncio.create_task(self._watch_health(caught_up)))
+        await caught_up.wait()
+
+    async def start(self) -> None:
+        await self.follow_health()
+        self._tasks.append(asyncio.create_task(self._loop()))
+        log.info("monitoring %d machines every %gs", len(self.detectors), self.interval)
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._tasks)
+
+    async def _watch_health(self, caught_up: asyncio.Event) -> None:
+        async for change in self.health_bucket.watch(caught_up=caught_up):
+            if change.value is None:
+                self.health.pop(change.key, None)
+            else:
+                self.health[change.key] = change.value
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.scan()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("scan failed; trying again")
+            await asyncio.sleep(self.interval)
+
+    async def scan(self) -> int:
+        """One pass over every machine; returns how many reports were written."""
+        now = self.clock()
+        scanned = await asyncio.to_thread(
+            lambda: {node: det.scan(now) for node, det in self.detectors.items()}
+        )
+        if self.reachability:
+            # A machine that never registered has no agent to answer yet (it is booting).
+            reachable = [node for node in self.detectors if node in self.health]
+            await asyncio.gather(*(self._probe(node, now) for node in reachable))
+        written = 0
+        for node, by_source in scanned.items():
+            detectors = self.detectors[node]
+            malformed = detectors.malformed
+            for source, count in malformed.items():
+                seen = self._malformed.get((node, source), 0)
+                if count > seen:
+                    metrics.MALFORMED_INPUTS.labels(source).inc(count - seen)
+                    self._malformed[(node, source)] = count
+            sources = dict(by_source)
+            if self.reachability:
+                sources["reachability"] = self.probes[node].findings(now)
+            beat = self.health.get(node)
+            if now - self._started > self.heartbeat_timeout:
+                sources["heartbeat"] = heartbeat(
+                    node, beat.heartbeat_time if beat else None, self.heartbeat_timeout, now
+                )
+            for source, findings in sources.items():
+                if await self._report(node, source, findings, malformed.get(source, 0), now):
+                    written += 1
+        return written
+
+    async def _probe(self, node: str, now: datetime) -> None:
+        marker = self.blackholes.get(node)
+        if marker is not None and marker.exists():
+            self.probes[node].record(False, "no answer (network partition)", now)
+            return
+        try:
+            await self.bus.request(
+                names.node_request(node, "info"),
+                NodeInfoRequest(),
+                NodeInfoReply,
+                timeout=self.probe_timeout,
+            )
+        except NodusError as error:
+            self.probes[node].record(False, str(error), now)
+            return
+        self.probes[node].record(True, "", now)
+
+    async def _report(
+        self, node: str, source: str, findings: list[Finding], malformed: int, now: datetime
+    ) -> bool:
+        key = names.signal_key(node, source)
+        signature = _signature(findings)
+        sent = self._sent.get(key)
+        if sent is not None and sent[0] == signature and now - sent[1] < self.keepalive:
+            return False
+        beat = self.health.get(node)
+        report = SignalReport(
+            node=node,
+            source=source,
+            observed_time=now,
+            findings=findings,
+            boot_id=beat.boot_id if beat else "",
+            malformed=malformed,
+        )
+        await self.signals.put(key, report)
+        self._sent[key] = (signature, now)
+        return True
+
+
+# -- the daemon ------------------------------------------------------------------------------------
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run the fault detectors (NVIDIA Xid and PCIe drops in the kernel log, DCGM double-bit "
+        "ECC, row remapping and thermal throttling, Node Problem Detector's ReadonlyFilesystem, "
+        "InfiniBand port state and link flapping, host reachability) and write what they see "
+        "to the bus for the remediator. Either every machine of a local fleet (--state-dir "
+        "with --fleet: inputs under STATE_DIR/machines/NAME/) or one machine (--node with the "
+        "paths of its inputs)."
+    )
+    add_common_flags(parser, metrics_port=0)
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="a local fleet's files: each machine's inputs under STATE_DIR/machines/NAME/",
+    )
+    parser.add_argument(
+        "--fleet",
+        type=Path,
+        default=Path(os.environ.get("NODUS_FLEET", "examples/fleet.yaml")),
+        help="the fleet whose machines to monitor with --state-dir (env NODUS_FLEET)",
+    )
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="write a healthy machine's files where missing (the local fleet of `nodus up`)",
+    )
+    parser.add_argument("--node", help="one machine: its name")
+    defaults = MachinePaths.system()
+    parser.add_argument("--kmsg", default=defaults.kmsg, help="kernel log file")
+    parser.add_argument("--dcgm", default=defaults.dcgm, help="dcgm-exporter text: file or URL")
+    parser.add_argument("--npd", default=defaults.npd, help="Node Problem Detector conditions")
+    parser.add_argument("--infiniband", default=defaults.infiniband, help="sysfs infiniband root")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between scans")
+    parser.add_argument(
+        "--keepalive", type=float, default=60.0, help="rewrite unchanged reports this often"
+    )
+    parser.add_argument(
+        "--no-reachability", action="store_true", help="do not probe host reachability"
+    )
+    parser.add_argument("--heartbeat-timeout", type=float, default=15.0)
+
+
+def machines_of(args: argparse.Namespace) -> tuple[dict[str, MachinePaths], dict[str, Path]]:
+    if args.node:
+        return {
+            args.node: MachinePaths(
+                kmsg=args.kmsg, dcgm=args.dcgm, npd=args.npd, infiniband=args.infiniband
+            )
+        }, {}
+    if args.state_dir is None:
+        raise ValueError("give --state-dir (a local fleet) or --node (one machine)")
+    from services.agent.inventory import load_fleet
+
+    fleet = load_fleet(args.fleet)
+    machines: dict[str, MachinePaths] = {}
+    blackholes: dict[str, Path] = {}
+    for machine in fleet.machines:
+        directory = args.state_dir / "machines" / machine.name
+        if args.simulate:
+            faults.ensure_baseline(directory, gpus=max(1, machine.accelerators.count))
+        machines[machine.name] = MachinePaths.under(directory)
+        blackholes[machine.name] = directory / faults.BLACKHOLE
+    return machines, blackholes
+
+
+async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    machines, blackholes = machines_of(args)
+    bus = await Bus.open(
+        args.nats,
+        name="nodus-monitor",
+        credentials=args.credentials,
+        buckets=[names.BUCKET_SIGNALS, names.BUCKET_HEALTH],
+    )
+    monitor = Monitor(
+        bus,
+        machines,
+        interval=args.interval,
+        keepalive=args.keepalive,
+        reachability=not args.no_reachability,
+        heartbeat_timeout=args.heartbeat_timeout,
+        blackholes=blackholes,
+    )
+    try:
+        await monitor.start()
+        await stop.wait()
+    finally:
+        await monitor.stop()
+        await bus.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.node and args.state_dir is None:
+        print("nodus monitor: give --state-dir (a local fleet) or --node (one machine)")
+        return 2
+    return run_daemon("monitor", args, _body)
