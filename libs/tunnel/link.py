@@ -89,7 +89,7 @@ class Link:
         window: int = 4 << 20,
         max_payload: int = 60 * 1024,
         chunk: int = 32 * 1024,
-        rto: float = 1.0,
+        rto: float = 2.0,
     ) -> None:
         if side not in (0, 1):
             raise ValueError("side is 0 or 1")
@@ -105,6 +105,7 @@ class Link:
         self._unacked: deque[tuple[int, bytes]] = deque()
         self._unsent = 0  # how many of the newest unacked messages were never transmitted
         self._last_progress: float | None = None  # when acknowledgements last moved
+        self._backoff = 1  # doubles with each resend that brought no progress
         # receiver
         self._expected = 0
         self._since_ack = 0
@@ -205,9 +206,12 @@ class Link:
         if self._unacked and self._unsent == 0:
             if self._last_progress is None:
                 self._last_progress = now
-            elif now - self._last_progress > self.rto:
+            elif now - self._last_progress > self.rto * self._backoff:
+                # A fallback for silent loss (a dead relay is noticed and resent on at once):
+                # back off, so a receiver that is only slow is not flooded with duplicates.
                 self.retransmit()
                 self._last_progress = now
+                self._backoff = min(self._backoff * 2, 8)
         elif not self._unacked:
             self._last_progress = None
         if self._since_ack:
@@ -264,6 +268,7 @@ class Link:
         self._unsent = min(self._unsent, len(self._unacked))
         if progressed:
             self._last_progress = now if self._unacked else None
+            self._backoff = 1
 
     def _handle(self, kind: int, stream: int, body: memoryview, events: list[Event]) -> None:
         state = self.streams.get(stream)

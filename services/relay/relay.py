@@ -183,6 +183,8 @@ class Relay:
             await _refuse(conn, "malformed", str(error))
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
             pass
+        except asyncio.CancelledError:
+            pass  # the relay is stopping: end quietly (asyncio logs a cancelled handler as an error)
         finally:
             conn.close()
             self._handlers.discard(task)

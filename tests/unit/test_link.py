@@ -187,3 +187,15 @@ def test_any_pattern_of_lost_tails_delivers_every_byte_once_in_order(
     pair.pump()
     for stream in streams:
         assert received(pair.events_b, stream) == bytes(sent[stream])
+
+
+def test_resends_without_progress_back_off() -> None:
+    a = Link(0)
+    a.open_stream(80)
+    a.outgoing()  # lost, and the peer is slow to answer
+    a.tick(0.0)
+    assert a.tick(a.rto + 0.1)  # first resend after one timeout
+    a.outgoing()
+    assert not a.tick(a.rto * 2)  # the next waits twice as long ...
+    assert a.tick(a.rto + 0.1 + 2 * a.rto + 0.1)  # ... then resends
+    assert a.stats["retransmits"] == 2
