@@ -79,7 +79,7 @@ class Prober:
         self.probes = bus.bucket(names.BUCKET_PROBES, ProbeRecord)
         self.ranks = bus.bucket(names.BUCKET_RANKS, RankStatus)
         self._active: dict[tuple[str, int], asyncio.Task[None]] = {}
-        self._concluding: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._concluding: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -90,7 +90,7 @@ class Prober:
         log.info("prober %s ready", self.replica)
 
     async def stop(self) -> None:
-        await cancel_and_wait([*self._tasks, *self._active.values(), *self._concluding.values()])
+        await cancel_and_wait([*self._tasks, *self._active.values(), *self._concluding])
 
     # -- watching ------------------------------------------------------------------------------
 
@@ -110,11 +110,11 @@ class Prober:
         async for change in self.ranks.watch():
             status = change.value
             if status is not None and status.state != "Running":
-                key = (status.gang, status.epoch)
-                if key not in self._concluding:
-                    task = asyncio.create_task(self._conclude_logged(*key))
-                    self._concluding[key] = task
-                    task.add_done_callback(lambda _, k=key: self._concluding.pop(k, None))  # type: ignore[misc]
+                # One task per exit: a check that runs while another rank exits must not be
+                # the last one (the job's compare-and-set lets one of them conclude).
+                task = asyncio.create_task(self._conclude_logged(status.gang, status.epoch))
+                self._concluding.add(task)
+                task.add_done_callback(self._concluding.discard)
 
     async def _conclude_logged(self, gang: str, epoch: int) -> None:
         try:
