@@ -179,7 +179,7 @@ class Bucket(Generic[T]):
     def _decode_or_skip(self, key: str, data: bytes) -> T | None:
         try:
             return decode(data, self.kind)
-        except msgspec.ValidationError as error:
+        except msgspec.DecodeError as error:  # not JSON at all, or not the record (S3)
             MALFORMED_RECORDS.labels(self.name).inc()
             log.warning("skipping malformed record %s/%s: %s", self.name, key, error)
             return None

@@ -105,11 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
     agent_parser(sub.add_parser("agent", help="daemon: the per-machine agent"))
     relay_parser(sub.add_parser("relay", help="daemon: a relay for Relayed gangs"))
     prober_parser(sub.add_parser("prober", help="daemon: probes, qualification, the gang's run"))
+    from libs.client import remediation_cli
+
+    remediation_cli.register(sub)  # node repair: get alerts, approve, policy, fault, ... (issue 6)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from libs.client import remediation_cli
+
+    if (code := remediation_cli.dispatch(args)) is not None:
+        return code
     if args.command == "placer":
         from services.placer.main import run as run_placer
 

@@ -20,6 +20,7 @@ from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Fleet, NodeHealth, NodeRecord
 from libs.contracts.relay import RelayRecord
 from services.agent.inventory import load_fleet
+from services.remediator.embedded import start_remediation
 
 REPO = Path(libs.__file__).resolve().parent.parent
 DEFAULT_FLEET = REPO / "examples" / "fleet.yaml"
@@ -152,6 +153,7 @@ class LocalSystem:
                 "prober-0",
                 ["prober", "--replica", "prober-0", "--sample-seconds", str(self.probe_seconds)],
             )
+            start_remediation(self)  # node repair: the remediator and the machines' monitor
             for machine in self.fleet.machines:
                 self.machine_dir(machine.name).mkdir(parents=True, exist_ok=True)
                 self.start_agent(machine.name, free_port())

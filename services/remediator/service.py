@@ -129,7 +129,8 @@ class Remediator:
         self._rems_of: dict[str, set[str]] = {}
         self._clusters: dict[str, set[str]] = {}
         self._slots: _View[RepairSlots] = _View()  # our own writes only; checked by CAS
-        self._live = _Live(self.rems)
+        self._live = _Live(self.rems, starting=False)
+        self._live_starting = _Live(self.rems, starting=True)
         self._reports: dict[str, dict[str, tuple[SignalReport, float]]] = {}
         self._last_report: dict[str, datetime] = {}
         self._reported_at: dict[str, float] = {}
@@ -463,6 +464,9 @@ class Remediator:
         record = self.nodes.get(node)
         if record is None:
             return  # an unknown node cannot be placed in a cluster or pool: wait for it
+        cordon = self.cordons.get(node)
+        if cordon is not None and RETIRED_HOLD in cordon.value.holds:
+            return  # retired (deleted): nothing more to repair here
         active = self._active_of(node)
         candidates = sorted(
             (
@@ -566,8 +570,9 @@ class Remediator:
 
     async def _take(self, scope: str, holder: str, limit: int, now: datetime) -> bool:
         def change(current: RepairSlots | None) -> RepairSlots | None:
+            live = self._live if scope.startswith("node.") else self._live_starting
             taken = guardrails.take_slot(
-                current, scope, holder, limit, self._live, now, self.settings.slot_grace
+                current, scope, holder, limit, live, now, self.settings.slot_grace
             )
             if taken is None:
                 raise _Full
@@ -651,8 +656,7 @@ class Remediator:
             rem.cluster,
             lambda b: guardrails.breaker_hold(b, rem.id) if b is not None else None,
         )
-        await self._lift_cordon(rem.node)
-        await self._write(
+        written = await self._write(
             current,
             lifecycle.move(
                 rem,
@@ -667,6 +671,10 @@ class Remediator:
                 idle_deadline_time=None,
             ),
         )
+        if written is not None:
+            await self._lift_cordon(rem.node)
+            await self._release(f"pool.{rem.pool}", rem.id)
+            await self._release(f"cluster.{rem.cluster}", rem.id)
         metrics.GUARDRAIL_WAITS.labels("breaker").inc()
 
     async def _maybe_start(self, current: Versioned[Remediation], now: datetime) -> None:
@@ -1042,14 +1050,24 @@ def _link(rid: str, generation: int) -> Callable[[Recommendation | None], Recomm
 
 
 class _Live:
-    """Holders of slots that still hold them: repairs not ended."""
+    """Holders of slots that still hold them: a node's slot belongs to any repair not ended;
+    a pool's or a cluster's only to repairs starting or under way (not back with a person)."""
 
-    def __init__(self, rems: _View[Remediation]) -> None:
+    STARTING = frozenset(
+        {RemediationState.WAITING_IDLE, RemediationState.RUNNING, RemediationState.REVALIDATING}
+    )
+
+    def __init__(self, rems: _View[Remediation], starting: bool) -> None:
         self._rems = rems
+        self._starting = starting
 
     def __contains__(self, holder: object) -> bool:
         found = self._rems.get(str(holder))
-        return found is not None and found.value.active
+        if found is None:
+            return False
+        if self._starting:
+            return found.value.state in self.STARTING
+        return found.value.active
 
 
 class _Full(Exception):
