@@ -129,6 +129,8 @@ class JobStatus(Record):
     finished_time: datetime | None = None
     # Machines a re-placement avoids: a pair that failed its probe, a member that was lost.
     avoid: list[str] = []
+    # Set when a transport: Auto gang's direct path failed its probe: it continues as Relayed.
+    path_override: PathClass | None = None
 
 
 class Job(Record):

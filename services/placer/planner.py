@@ -228,6 +228,8 @@ class Planner:
         distributed = job.spec.distributed
         paths = [PathClass.PRIVATE, PathClass.DIRECT]
         shortfalls: list[Shortfall] = []
+        if job.status.path_override is PathClass.RELAYED and distributed.transport == "Auto":
+            paths = []  # G12: the direct path failed its probe, so Auto continues as Relayed
         if distributed.transport == "Auto":
             if distributed.members <= self.config.relayed_max_members:
                 paths.append(PathClass.RELAYED)
@@ -364,6 +366,10 @@ class Planner:
         usable = capable = fitting = 0
         largest_buffer = 0
         needs = derive(path, members)  # C3: the plan's derived needs, from the one formula
+        # G6: Relayed is for a member without a network device, or (G12) a failed direct path.
+        needs_container = (
+            path is PathClass.RELAYED and job.status.path_override is not PathClass.RELAYED
+        )
         budget = [SEARCH_BUDGET]
         for record in self._records_for(job, path, candidates):
             inv = record.inventory
@@ -390,13 +396,13 @@ class Planner:
             # Search a group when it first could hold the gang, then each time it doubles.
             if len(group) >= members and len(group) >= 2 * tried.get(key, 0):
                 tried[key] = len(group)
-                found = self._search(path, group, members, patterns, budget)
+                found = self._search(path, group, members, patterns, budget, needs_container)
                 if found is not None:
                     return self._build(path, found, mesh_id), _NO_SHORTFALL
         best = 0
         for key, group in groups.items():
             if len(group) >= members and tried.get(key) != len(group):
-                found = self._search(path, group, members, patterns, budget)
+                found = self._search(path, group, members, patterns, budget, needs_container)
                 if found is not None:
                     return self._build(path, found, mesh_id), _NO_SHORTFALL
             best = max(best, min(len(group), members - 1))
@@ -421,6 +427,7 @@ class Planner:
         members: int,
         patterns: list[str],
         budget: list[int],
+        needs_container: bool = True,
     ) -> list[NodeRecord] | None:
         """Choose `members` machines of one group: every pair qualified (G21), distinct advertised
         addresses (G7, C4), and on Relayed at least one container (G6). Machines of one type
@@ -452,7 +459,7 @@ class Planner:
         counts = [0] * len(types)
 
         def assign() -> list[NodeRecord] | None:
-            if path is PathClass.RELAYED and not any(
+            if needs_container and not any(
                 counts[i] and types[i][1] == "container" for i in range(len(types))
             ):
                 return None
@@ -625,7 +632,10 @@ def check_plan(plan: Plan, records: dict[str, NodeRecord], job: Job) -> list[str
     if plan.path is PathClass.RELAYED:
         if job.spec.distributed.transport != "Auto":
             problems.append("Relayed gang for a job whose transport is Direct (G5)")
-        if all(inv.offering == "vm" for inv in inventories):
+        if (
+            all(inv.offering == "vm" for inv in inventories)
+            and job.status.path_override is not PathClass.RELAYED
+        ):
             problems.append("Relayed gang of VMs only: it should be Direct (G6)")
     if plan.path is PathClass.DIRECT:
         if not all(ipaddress.ip_address(a) in MESH_NETWORK for a in addresses):

@@ -370,7 +370,29 @@ class Prober:
         )
         PROBES.labels("failed").inc()
 
+        stored = await self.epochs.get(names.epoch_key(gang, epoch))
+        job = await self.jobs.get(gang)
+        direct_failed = (
+            stored is not None
+            and stored.value.path is PathClass.DIRECT
+            and job is not None
+            and job.value.spec.distributed.transport == "Auto"
+        )
+
         def again(status: JobStatus) -> JobStatus:
+            if direct_failed:
+                # G12: an Auto gang whose direct path fails continues as Relayed, same machines.
+                status = with_condition(
+                    status,
+                    ConditionType.NETWORK_QUALIFIED,
+                    "False",
+                    "DirectPathFailed",
+                    f"{reason}; continuing as Relayed",
+                    t,
+                )
+                return msgspec.structs.replace(
+                    status, phase=Phase.PENDING, path_override=PathClass.RELAYED
+                )
             status = with_condition(
                 status, ConditionType.NETWORK_QUALIFIED, "False", "ProbeFailed", reason, t
             )

@@ -17,7 +17,7 @@ from libs.bus import Bus
 from libs.bus.server import free_port
 from libs.client.client import Client
 from libs.contracts import names
-from libs.contracts.jobs import ConditionType, Job, Phase
+from libs.contracts.jobs import ConditionType, Job, PathClass, Phase
 from libs.contracts.lifecycle import ProbeRecord
 from libs.netshim import SHIM_PATH, ensure_built
 from services.agent.agent import Agent
@@ -221,3 +221,73 @@ async def test_a_pair_that_cannot_connect_fails_the_epoch_and_the_gang_is_placed
         await prober.stop()
         for agent in agents:
             await agent.stop()
+
+
+async def test_an_auto_gang_whose_direct_path_fails_continues_as_relayed(
+    bus: Bus, tmp_path: Path, start_placer: StartPlacer, placer_config: PlacerConfig
+) -> None:
+    """Two VMs make a Direct gang; here the mesh addresses (100.64.0.0/10) lead nowhere, so the
+    direct path fails its probe and the Auto gang continues as Relayed on the same machines."""
+    ensure_built()
+    ports = [free_port(), free_port()]
+    relays = [
+        Relay(
+            bus,
+            f"relay-{i}",
+            "eu-central",
+            ("127.0.0.1", ports[i]),
+            [f"127.0.0.1:{ports[1 - i]}"],
+            b"k" * 32,
+        )
+        for i in range(2)
+    ]
+    for relay in relays:
+        await relay.start()
+    vms = [
+        machine("vm-a", provider="lambda", address="127.0.1.71", accelerators=L4),
+        machine("vm-b", provider="gcp", address="127.0.1.72", accelerators=L4),
+    ]
+    agents = [
+        Agent(
+            bus,
+            m,
+            heartbeat_seconds=0.5,
+            socks_endpoint=f"127.0.0.1:{free_port()}",
+            state_dir=tmp_path / m.name,
+        )
+        for m in vms
+    ]
+    for agent in agents:
+        await agent.start()
+    await start_placer(msgspec.structs.replace(placer_config, shim_path=str(SHIM_PATH)))
+    prober = Prober(bus, "prober-test", sample_seconds=0.3, readiness_seconds=2)
+    await prober.start()
+    client = Client(bus)
+    try:
+        await client.apply(
+            job(
+                "fallback",
+                org="acme",
+                command=[sys.executable, "-c", "pass"],
+                accelerators={"model": "L4"},
+                distributed={"members": 2, "transport": "Auto"},
+            )
+        )
+        result = await finished(client, "fallback")
+        assert result.status.phase is Phase.SUCCEEDED, result.status.conditions
+        assert result.status.epoch == 2 and result.status.path_override is PathClass.RELAYED
+        assert result.status.gang is not None and result.status.gang.transport is PathClass.RELAYED
+        assert {m.node for m in result.status.gang.members} == {"vm-a", "vm-b"}  # same machines
+        assert result.status.gang.probe is not None and result.status.gang.probe.path.startswith(
+            "derp:"
+        )
+        first = await client.epochs.get("acme.fallback.1")
+        assert first is not None and first.value.path is PathClass.DIRECT and first.value.fenced
+        failed = await client.bus.bucket(names.BUCKET_PROBES, ProbeRecord).get("acme.fallback.1")
+        assert failed is not None and failed.value.state == "Failed"
+    finally:
+        await prober.stop()
+        for agent in agents:
+            await agent.stop()
+        for relay in relays:
+            await relay.stop()
