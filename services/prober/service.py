@@ -50,6 +50,7 @@ log = logging.getLogger("nodus.prober")
 R = TypeVar("R", bound=msgspec.Struct)
 VERSION = "0.1.0"
 
+MAX_EPOCHS = 5  # epochs a gang may fail its probe in before the Job fails
 USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (1 s) plus delivery
 
 PROBES = Counter("nodus_prober_probes_total", "Epoch probes by outcome", ["outcome"])
@@ -379,7 +380,26 @@ class Prober:
             and job.value.spec.distributed.transport == "Auto"
         )
 
+        history: list[str] = []
+        if epoch >= MAX_EPOCHS:
+            for number in range(1, epoch + 1):
+                record = await self.probes.get(names.epoch_key(gang, number))
+                if record is not None and record.value.state == "Failed":
+                    history.append(f"epoch {number}: {record.value.reason}")
+
         def again(status: JobStatus) -> JobStatus:
+            if history:
+                # A gang that cannot be qualified after a bounded number of epochs fails,
+                # with every epoch's reason (the failed epochs were not billed).
+                status = with_condition(
+                    status,
+                    ConditionType.GANG_READY,
+                    "False",
+                    "EpochsExhausted",
+                    f"no qualified placement after {epoch} epochs: " + "; ".join(history),
+                    t,
+                )
+                return msgspec.structs.replace(status, phase=Phase.FAILED, finished_time=t)
             if direct_failed:
                 # G12: an Auto gang whose direct path fails continues as Relayed, same machines.
                 status = with_condition(

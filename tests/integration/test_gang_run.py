@@ -291,3 +291,45 @@ async def test_an_auto_gang_whose_direct_path_fails_continues_as_relayed(
             await agent.stop()
         for relay in relays:
             await relay.stop()
+
+
+async def test_a_gang_that_fails_every_epoch_fails_with_each_reason(
+    bus: Bus, tmp_path: Path, start_placer: StartPlacer
+) -> None:
+    """transport: Direct on machines whose direct path leads nowhere (no nodus0 here): every
+    epoch fails its probe, each is placed again without the suspect, and after the bound the
+    Job fails with every epoch's reason."""
+    vms = [
+        machine(f"vm-{i}", provider="lambda", address=f"127.0.1.{80 + i}", accelerators=L4)
+        for i in range(7)
+    ]
+    agents = [Agent(bus, m, heartbeat_seconds=0.5, state_dir=tmp_path / m.name) for m in vms]
+    for agent in agents:
+        await agent.start()
+    await start_placer()
+    prober = Prober(bus, "prober-test", sample_seconds=0.2, readiness_seconds=0.5)
+    await prober.start()
+    client = Client(bus)
+    try:
+        await client.apply(
+            job(
+                "doomed",
+                org="acme",
+                command=[sys.executable, "-c", "pass"],
+                accelerators={"model": "L4"},
+                distributed={"members": 2, "transport": "Direct"},
+            )
+        )
+        result = await finished(client, "doomed", timeout=120)
+        assert result.status.phase is Phase.FAILED
+        ready = result.condition(ConditionType.GANG_READY)
+        assert ready is not None and ready.reason == "EpochsExhausted"
+        assert all(f"epoch {n}:" in ready.message for n in range(1, 6))
+        assert result.status.epoch == 5 and len(result.status.avoid) == 4
+        assert (
+            result.status.billing is None or result.status.billing.boot_seconds == 0
+        )  # not billed
+    finally:
+        await prober.stop()
+        for agent in agents:
+            await agent.stop()
