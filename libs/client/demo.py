@@ -35,7 +35,7 @@ def say(text: str = "") -> None:
 async def _wait_placed(client: Client, job: Job, timeout: float = 30.0) -> Job:
     async def wait() -> Job:
         async for current in client.watch_job(job.metadata.name, job.metadata.org):
-            if current.status.phase is not Phase.PENDING:
+            if current.status.epoch >= 1:  # placed at least once (a probe may send it back)
                 return current
         raise NodusError(ErrorCode.NOT_FOUND, f"job {job.metadata.name} was deleted")
 
