@@ -35,11 +35,8 @@ WORKLOAD = str(Path(__file__).resolve().parents[2] / "examples" / "workloads" / 
 L4 = {"count": 1, "backend": "cuda", "model": "L4"}
 
 
-@pytest.fixture
-async def system(
-    bus: Bus, tmp_path: Path, start_placer: StartPlacer, placer_config: PlacerConfig
-) -> AsyncIterator[Client]:
-    ensure_built()
+async def meshed_relays(bus: Bus) -> list[Relay]:
+    """Two relays meshed with each other, as `nodus up` runs them."""
     ports = [free_port(), free_port()]
     relays = [
         Relay(
@@ -54,6 +51,15 @@ async def system(
     ]
     for relay in relays:
         await relay.start()
+    return relays
+
+
+@pytest.fixture
+async def system(
+    bus: Bus, tmp_path: Path, start_placer: StartPlacer, placer_config: PlacerConfig
+) -> AsyncIterator[Client]:
+    ensure_built()
+    relays = await meshed_relays(bus)
     agents = [
         Agent(
             bus,
@@ -229,20 +235,7 @@ async def test_an_auto_gang_whose_direct_path_fails_continues_as_relayed(
     """Two VMs make a Direct gang; here the mesh addresses (100.64.0.0/10) lead nowhere, so the
     direct path fails its probe and the Auto gang continues as Relayed on the same machines."""
     ensure_built()
-    ports = [free_port(), free_port()]
-    relays = [
-        Relay(
-            bus,
-            f"relay-{i}",
-            "eu-central",
-            ("127.0.0.1", ports[i]),
-            [f"127.0.0.1:{ports[1 - i]}"],
-            b"k" * 32,
-        )
-        for i in range(2)
-    ]
-    for relay in relays:
-        await relay.start()
+    relays = await meshed_relays(bus)
     vms = [
         machine("vm-a", provider="lambda", address="127.0.1.71", accelerators=L4),
         machine("vm-b", provider="gcp", address="127.0.1.72", accelerators=L4),
