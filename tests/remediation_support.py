@@ -17,10 +17,14 @@ from libs.contracts.base import now
 from libs.contracts.remediation import (
     Action,
     Alert,
+    AlertKind,
+    Evidence,
+    Finding,
     Policy,
     Recommendation,
     Remediation,
     RemediationState,
+    SignalReport,
 )
 from services.agent.agent import Agent
 from services.remediator import faults
@@ -196,3 +200,33 @@ class Fleet:
 
         await self.until(reached, timeout)
         return found[-1]
+
+
+def readonly_report(node: str) -> SignalReport:
+    """What the monitor publishes for a node whose root filesystem went read-only (NPD)."""
+    t = now()
+    evidence = Evidence(
+        kind=AlertKind.READONLY_FILESYSTEM,
+        source="npd",
+        node=node,
+        where=f"/state/machines/{node}/npd.json",
+        observed_time=t,
+        severity="critical",
+        lines=[
+            '{"reason": "FilesystemIsReadOnly", "status": "True", "type": "ReadonlyFilesystem"}'
+        ],
+    )
+    return SignalReport(
+        node=node,
+        source="npd",
+        observed_time=t,
+        findings=[
+            Finding(
+                kind=AlertKind.READONLY_FILESYSTEM,
+                subject="/",
+                severity="critical",
+                detail="FilesystemIsReadOnly",
+                evidence=evidence,
+            )
+        ],
+    )

@@ -49,14 +49,12 @@ from libs.contracts.base import now
 from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.remediation import (
     Alert,
-    AlertKind,
-    Evidence,
-    Finding,
     Recommendation,
     Remediation,
     SignalReport,
 )
 from tests.factories import machine, node_record
+from tests.remediation_support import readonly_report
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,35 +108,6 @@ def internal(before: dict[str, float], after: dict[str, float]) -> dict[str, Any
             round(total / count * 1e3, 3) if count else None
         ),
     }
-
-
-def report(node: str) -> SignalReport:
-    t = now()
-    evidence = Evidence(
-        kind=AlertKind.READONLY_FILESYSTEM,
-        source="npd",
-        node=node,
-        where=f"/state/machines/{node}/npd.json",
-        observed_time=t,
-        severity="critical",
-        lines=[
-            '{"reason": "FilesystemIsReadOnly", "status": "True", "type": "ReadonlyFilesystem"}'
-        ],
-    )
-    return SignalReport(
-        node=node,
-        source="npd",
-        observed_time=t,
-        findings=[
-            Finding(
-                kind=AlertKind.READONLY_FILESYSTEM,
-                subject="/",
-                severity="critical",
-                detail="FilesystemIsReadOnly",
-                evidence=evidence,
-            )
-        ],
-    )
 
 
 class Arrivals:
@@ -232,7 +201,7 @@ async def baseline(url: str, samples: int) -> dict[str, Any]:
         for i in range(samples):
             key = f"baseline-{i}.npd"
             t0 = time.perf_counter()
-            await bucket_a.put(key, report(f"baseline-{i}"))
+            await bucket_a.put(key, readonly_report(f"baseline-{i}"))
             hop.append(await seen.wait_for(key, 10) - t0)
         await seen.stop()
         for i in range(samples):
@@ -327,7 +296,7 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
             latencies = []
             for node in nodes[: opts.samples]:
                 t0 = time.perf_counter()
-                await signals.put(names.signal_key(node, "npd"), report(node))
+                await signals.put(names.signal_key(node, "npd"), readonly_report(node))
                 seen = await recs.wait_for(f"{node}.readonly-filesystem.root", opts.timeout)
                 latencies.append(seen - t0)
             result["decision_latency"] = quantiles(latencies)
@@ -339,7 +308,7 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
             for start in range(0, len(burst), 1000):
                 await asyncio.gather(
                     *(
-                        signals.put(names.signal_key(n, "npd"), report(n))
+                        signals.put(names.signal_key(n, "npd"), readonly_report(n))
                         for n in burst[start : start + 1000]
                     )
                 )

@@ -17,11 +17,8 @@ from libs.contracts.fleet import NodeHealth
 from libs.contracts.remediation import (
     Action,
     Alert,
-    AlertKind,
     AlertState,
     Breaker,
-    Evidence,
-    Finding,
     Policy,
     Remediation,
     RemediationState,
@@ -32,6 +29,7 @@ from services.remediator.main import BUCKETS
 from services.remediator.service import Remediator
 from tests.conftest import eventually
 from tests.factories import machine, node_record, register
+from tests.remediation_support import readonly_report
 
 NODES = 500
 SURGE = 10
@@ -67,35 +65,6 @@ class FakeProvider:
         return True
 
 
-def readonly(node: str) -> SignalReport:
-    t = now()
-    evidence = Evidence(
-        kind=AlertKind.READONLY_FILESYSTEM,
-        source="npd",
-        node=node,
-        where=f"/state/machines/{node}/npd.json",
-        observed_time=t,
-        severity="critical",
-        lines=[
-            '{"reason": "FilesystemIsReadOnly", "status": "True", "type": "ReadonlyFilesystem"}'
-        ],
-    )
-    return SignalReport(
-        node=node,
-        source="npd",
-        observed_time=t,
-        findings=[
-            Finding(
-                kind=AlertKind.READONLY_FILESYSTEM,
-                subject="/",
-                severity="critical",
-                detail="FilesystemIsReadOnly",
-                evidence=evidence,
-            )
-        ],
-    )
-
-
 @pytest.mark.slow
 async def test_an_alert_storm_opens_the_breaker_and_loses_no_alert(
     bus: Bus, nats_server: NatsServer
@@ -127,7 +96,9 @@ async def test_an_alert_storm_opens_the_breaker_and_loses_no_alert(
     await remediator.start()
     try:
         signals = bus.bucket(names.BUCKET_SIGNALS, SignalReport)
-        await asyncio.gather(*(signals.put(names.signal_key(n, "npd"), readonly(n)) for n in nodes))
+        await asyncio.gather(
+            *(signals.put(names.signal_key(n, "npd"), readonly_report(n)) for n in nodes)
+        )
         alerts = bus.bucket(names.BUCKET_ALERTS, Alert)
 
         async def every_alert() -> bool:
