@@ -1,52 +1,141 @@
 """A framed TCP connection for relays and their clients: the thin asyncio shell around the
-frame codec, with write backpressure (a full peer makes its senders wait)."""
+frame codec and the handshake.
+
+Writing never raises: a connection that closed under us reports it (`send_nowait` and
+`offer` return False or a reason) and the caller decides what that failure owns: a relay
+drops what was meant for that destination, a member fails over. Two ways to write:
+  - `send` waits for the peer to take its bytes when too many are queued (backpressure on
+    whoever is sending), for traffic the writer itself produces;
+  - `offer` never waits: what a full destination cannot take is refused, so the loop that
+    forwards it (another member's session, a mesh link shared by many gangs) keeps going.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+from enum import Enum
 
-from libs.relayproto.frames import Frame, FrameDecoder, FrameError, encode
+from libs.relayproto.frames import Frame, FrameDecoder, Welcome, encode
+from libs.relayproto.handshake import AcceptorHandshake, Answer, DialerHandshake
 
 READ_SIZE = 256 * 1024
-HIGH_WATER = 1 << 20  # bytes queued to one connection before its senders wait
-HELLO_TIMEOUT = 5.0
+HIGH_WATER = 1 << 20  # bytes queued to one connection before `send` waits
+HANDSHAKE_TIMEOUT = 5.0
+
+
+class Offered(Enum):
+    SENT = "sent"
+    FULL = "destination_full"
+    CLOSED = "destination_closed"
 
 
 class Connection:
-    """One TCP connection: framed writes with backpressure, framed reads."""
+    """One TCP connection: framed writes that never raise, framed reads in arrival order."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
         self.decoder = FrameDecoder()
         self.closed = False
+        self._pending: deque[Frame] = deque()  # read, not yet handed to the session
         writer.transport.set_write_buffer_limits(high=HIGH_WATER)
 
-    async def send(self, frame: Frame) -> None:
+    # -- writing -------------------------------------------------------------------------------
+
+    @property
+    def backlog(self) -> int:
+        """Bytes written but not yet taken by the kernel."""
         if self.closed:
+            return 0
+        return self.writer.transport.get_write_buffer_size()
+
+    def send_nowait(self, frame: Frame | bytes) -> bool:
+        """Queue a frame (or an encoded one); False when the connection is gone."""
+        if self.closed or self.writer.transport.is_closing():
+            self.closed = True
+            return False
+        try:
+            self.writer.write(frame if isinstance(frame, bytes) else encode(frame))
+        except (RuntimeError, OSError):  # closed between the check and the write
+            self.closed = True
+            return False
+        return True
+
+    def offer(self, frame: Frame, limit: int) -> Offered:
+        """Queue a frame unless `limit` bytes are already waiting for this peer."""
+        if self.closed or self.writer.transport.is_closing():
+            self.closed = True
+            return Offered.CLOSED
+        if self.writer.transport.get_write_buffer_size() > limit:
+            return Offered.FULL
+        return Offered.SENT if self.send_nowait(frame) else Offered.CLOSED
+
+    async def send(self, frame: Frame) -> bool:
+        """Queue a frame, then wait while more than HIGH_WATER bytes are queued."""
+        if not self.send_nowait(frame):
+            return False
+        await self.drain()
+        return not self.closed
+
+    async def drain(self) -> None:
+        if self.closed or self.writer.transport.get_write_buffer_size() <= HIGH_WATER:
             return
-        self.writer.write(encode(frame))
-        if self.writer.transport.get_write_buffer_size() > HIGH_WATER:
-            try:
-                await self.writer.drain()
-            except ConnectionError:
-                self.closed = True
+        try:
+            await self.writer.drain()
+        except (ConnectionError, RuntimeError):
+            self.closed = True
+
+    # -- reading -------------------------------------------------------------------------------
 
     async def read_frames(self) -> list[Frame]:
+        """The next frames, in arrival order (those that came with the handshake first).
+        Raises ConnectionResetError at EOF and FrameError on malformed input."""
+        if self._pending:
+            frames = list(self._pending)
+            self._pending.clear()
+            return frames
         data = await self.reader.read(READ_SIZE)
         if not data:
             raise ConnectionResetError("closed by peer")
         return self.decoder.feed(data)
 
-    async def first_frame(self) -> Frame:
-        while True:
-            frames = await asyncio.wait_for(self.read_frames(), HELLO_TIMEOUT)
-            if frames:
-                if len(frames) > 1:
-                    raise FrameError("frames before the handshake finished")
-                return frames[0]
+    # -- handshakes ----------------------------------------------------------------------------
+
+    async def dial(self, answer: Answer, timeout: float = HANDSHAKE_TIMEOUT) -> Welcome:
+        """The dialer's side of the handshake; raises HandshakeRefused, FrameError,
+        TimeoutError or ConnectionError."""
+        handshake = DialerHandshake(answer)
+        async with asyncio.timeout(timeout):
+            while not handshake.established:
+                for frame in await self.read_frames():
+                    reply = handshake.receive(frame)
+                    if reply is not None:
+                        self.send_nowait(reply)
+        self._pending.extend(handshake.take_session_frames())
+        assert handshake.welcome is not None
+        return handshake.welcome
+
+    async def accept(
+        self, relay_key: bytes, timeout: float = HANDSHAKE_TIMEOUT
+    ) -> AcceptorHandshake:
+        """The relay's side: challenge, then the dialer's hello (in `.hello`)."""
+        handshake = AcceptorHandshake(relay_key)
+        self.send_nowait(handshake.challenge)
+        async with asyncio.timeout(timeout):
+            while not handshake.established:
+                for frame in await self.read_frames():
+                    handshake.receive(frame)
+        self._pending.extend(handshake.take_session_frames())
+        return handshake
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+        if not self.writer.transport.is_closing():
             self.writer.close()
+
+    def abort(self) -> None:
+        """Drop the connection now, without flushing (a relay that is told to die)."""
+        self.closed = True
+        self.writer.transport.abort()

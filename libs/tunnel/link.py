@@ -90,6 +90,7 @@ class Link:
         max_payload: int = 60 * 1024,
         chunk: int = 32 * 1024,
         rto: float = 2.0,
+        max_inflight: int = 16 << 20,
     ) -> None:
         if side not in (0, 1):
             raise ValueError("side is 0 or 1")
@@ -98,6 +99,11 @@ class Link:
         self.max_payload = max_payload
         self.chunk = chunk
         self.rto = rto
+        # Bytes sent and not yet acknowledged, across every stream: what relays may hold for
+        # this pair at once, however many streams are open (they size their queues by it).
+        self.max_inflight = max_inflight
+        self._inflight = 0
+        self._blocked: set[int] = set()  # streams that had credit but no room on the link
         self.streams: dict[int, _Stream] = {}
         self._next_stream = 2 + side
         # sender
@@ -131,15 +137,25 @@ class Link:
         self._queue(OPEN_FAIL, stream, bytes((code,)))
 
     def credit(self, stream: int) -> int:
-        state = self.streams.get(stream)
-        return state.credit if state and state.open and not state.sent_fin else 0
-
-    def send(self, stream: int, data: bytes) -> int:
-        """Queue up to the stream's credit; returns how many bytes were taken."""
+        """How many bytes `stream` may send now: its credit, within the link's room. A
+        stream held back by the link alone gets CreditAvailable when acknowledgements free
+        room."""
         state = self.streams.get(stream)
         if state is None or not state.open or state.sent_fin:
             return 0
-        taken = min(len(data), state.credit)
+        room = self.max_inflight - self._inflight
+        if room <= 0 and state.credit > 0:
+            self._blocked.add(stream)
+            return 0
+        return min(state.credit, max(room, 0))
+
+    def send(self, stream: int, data: bytes) -> int:
+        """Queue up to the stream's credit (and the link's room); returns how many bytes
+        were taken."""
+        taken = min(len(data), self.credit(stream))
+        if taken <= 0:
+            return 0
+        state = self.streams[stream]
         view = memoryview(data)
         for at in range(0, taken, self.chunk):
             self._queue(DATA, stream, bytes(view[at : min(taken, at + self.chunk)]))
@@ -236,7 +252,7 @@ class Link:
             body = view[at : at + length]
             at += length
             if kind == ACK:
-                self._acked(seq, now)
+                self._acked(seq, now, events)
                 continue
             if seq != self._expected:
                 if (self._expected - seq) % SEQ_MOD < SEQ_MOD // 2:
@@ -257,14 +273,20 @@ class Link:
     def _queue(self, kind: int, stream: int, body: bytes) -> None:
         message = HEADER.pack(kind, self._next_seq, stream, len(body)) + body
         self._unacked.append((self._next_seq, message))
+        self._inflight += len(message)
         self._next_seq = (self._next_seq + 1) % SEQ_MOD
         self._unsent += 1
 
-    def _acked(self, next_expected: int, now: float) -> None:
+    def _acked(self, next_expected: int, now: float, events: list[Event]) -> None:
         progressed = False
         while self._unacked and 0 < (next_expected - self._unacked[0][0]) % SEQ_MOD <= SEQ_MOD // 2:
-            self._unacked.popleft()
+            self._inflight -= len(self._unacked.popleft()[1])
             progressed = True
+        if self._blocked and self._inflight < self.max_inflight:
+            for stream in sorted(self._blocked):
+                if stream in self.streams:
+                    events.append(CreditAvailable(stream))
+            self._blocked.clear()
         self._unsent = min(self._unsent, len(self._unacked))
         if progressed:
             self._last_progress = now if self._unacked else None

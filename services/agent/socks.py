@@ -67,11 +67,8 @@ class SocksFront:
                 return
             codec.accept()
             writer.write(codec.data_to_send())
-            early = codec.take_early_data()
-            if early:
-                bridge.peer.link.send(bridge.stream, early)
             REQUESTS.labels(node, "connected").inc()
-            await self.tunnel.splice(bridge, reader, writer)
+            await self.tunnel.splice(bridge, reader, writer, codec.take_early_data())
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:

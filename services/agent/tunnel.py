@@ -4,7 +4,11 @@ gang epoch, carried by two relays, with the link protocol inside carrying TCP st
 Outbound: a local program's connection (through the shim and SOCKS5) becomes a stream to the
 peer; inbound: a peer's stream is delivered by dialing the requested port on this member's own
 advertised address. When the relay in use dies, the tunnel moves to the other one and every
-link resends what was not acknowledged, so no stream inside breaks."""
+link resends what was not acknowledged, so no stream inside breaks.
+
+Failures stay where they belong (S4): a local socket that closes, resets or fails a write
+resets its own stream (RST to the peer, counted by reason) and nothing else; a relay
+connection ends only for what the relay or the network did."""
 
 from __future__ import annotations
 
@@ -16,11 +20,15 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge
 
+from libs.contracts.errors import NodusError
+from libs.relayproto import FrameError
+from libs.relayproto.client import RelayClient
 from libs.runtime.tasks import cancel_and_wait
 from libs.tunnel import (
     Closed,
     CreditAvailable,
     Data,
+    Event,
     Link,
     LinkError,
     OpenResult,
@@ -28,13 +36,18 @@ from libs.tunnel import (
     StreamOpened,
 )
 from libs.tunnel.link import CONNECTION_REFUSED, GENERAL_FAILURE, HOST_UNREACHABLE
-from services.agent.relayclient import RelayClient
 from services.agent.wgdevice import WgDevice
 
 log = logging.getLogger("nodus.agent.tunnel")
 
 FAILOVERS = Counter("nodus_agent_relay_failovers_total", "Moves to the other relay", ["node"])
 STREAMS = Gauge("nodus_agent_tunnel_streams", "TCP streams open in the tunnel", ["node"])
+STREAM_RESETS = Counter(
+    "nodus_agent_stream_resets_total",
+    "Streams reset, by reason (local_*: this side's socket; peer: the peer reset it; open_*: "
+    "an open that could not complete)",
+    ["node", "reason"],
+)
 LINK_ERRORS = Counter(
     "nodus_agent_link_errors_total", "Malformed link messages from peers", ["node"]
 )
@@ -42,6 +55,12 @@ LINK_ERRORS = Counter(
 HIGH_WATER = 2 << 20  # bytes queued to the relay before local reads pause
 READ_SIZE = 64 * 1024
 TICK = 0.02
+NOT_ALLOWED, TTL_EXPIRED = 2, 6  # SOCKS5 reply codes of our own
+# Fail fast (a caller's own connect timeout must hold): how long a connect waits for...
+FAILOVER_WAIT = 1.0  # ...a relay to be home again, or the peer to be reachable through it
+JOIN_GRACE = 5.0  # ...a peer never seen yet (the epoch has just started) to come up
+LIVENESS = 1.0  # ...any word from the peer after the open went out
+OPEN_TIMEOUT = 10.0  # ...the peer's answer (it dials its own address: at once, normally)
 
 
 class StreamRefused(Exception):
@@ -56,6 +75,8 @@ class Peer:
     address: str
     key: bytes
     link: Link
+    heard: float = 0.0  # monotonic time of the last message from the peer
+    seen: bool = False  # ever present on a relay
 
 
 @dataclass
@@ -102,17 +123,20 @@ class Tunnel:
                 device.private_key,
                 device.public_key,
                 self._on_message,
+                self._on_presence,
             )
             for name, addr in relays
         ]
         self.home: RelayClient | None = None
         self._writable = asyncio.Event()
         self._writable.set()
+        self._reachability = asyncio.Event()  # pulsed when a relay or a peer comes or goes
         self._flush_scheduled = False
         self._tasks: list[asyncio.Task[None]] = []
         self._held: set[asyncio.Task[None]] = set()
         self._relay_tasks: dict[str, asyncio.Task[None]] = {}
         self.on_path: Callable[[str], None] | None = None
+        self._streams_gauge = STREAMS.labels(node)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -121,13 +145,16 @@ class Tunnel:
             return
         side = 0 if self.device.public_key < key else 1
         peer = Peer(node, address, key, Link(side, window=self.window))
+        peer.seen = any(key in relay.present for relay in self.relays)
         self.peers_by_key[key] = peer
         self.peers_by_address[address] = peer
         self.device.add_peer(key)
 
     async def start(self) -> None:
         for relay in self.relays:
-            self._relay_tasks[relay.name] = asyncio.create_task(self._keep_relay(relay))
+            task = asyncio.create_task(self._keep_relay(relay))
+            task.add_done_callback(_log_crash)
+            self._relay_tasks[relay.name] = task
         self._tasks = [asyncio.create_task(self._timers())]
 
     async def stop(self) -> None:
@@ -158,39 +185,58 @@ class Tunnel:
         while True:
             try:
                 await relay.connect()
+            except (OSError, TimeoutError, FrameError, NodusError) as error:
+                log.info("relay %s unavailable: %s", relay.name, error or type(error).__name__)
+            else:
                 backoff = 0.2
                 if self.home is None:
-                    await self._make_home(relay, failover=False)
-                await relay.run()
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:
-                log.info("relay %s unavailable: %s", relay.name, error)
-            if self.home is relay:
-                await self._failover(relay)
+                    self._make_home(relay, failover=False)
+                await relay.run()  # returns when the connection ends, whatever ended it
+                log.info("relay %s connection ended: %s", relay.name, relay.ended)
+                if self.home is relay:
+                    self._failover(relay)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 
-    async def _make_home(self, relay: RelayClient, failover: bool) -> None:
+    def _make_home(self, relay: RelayClient, failover: bool) -> None:
         self.home = relay
-        await relay.home(failover)
+        relay.home(failover)
         for peer in self.peers_by_key.values():
             peer.link.retransmit()
         self._writable.set()
+        self._pulse_reachability()
         self._schedule_flush()
         if self.on_path:
             self.on_path(self.path)
 
-    async def _failover(self, lost: RelayClient) -> None:
+    def _failover(self, lost: RelayClient) -> None:
         """Make-before-break: the other relay is already connected; move to it and resend."""
         self.home = None
+        self._pulse_reachability()
         for relay in self.relays:
             if relay is not lost and relay.up:
                 FAILOVERS.labels(self.node).inc()
                 log.warning("relay %s lost; moving to %s", lost.name, relay.name)
-                await self._make_home(relay, failover=True)
+                self._make_home(relay, failover=True)
                 return
         log.warning("relay %s lost and no other relay is up", lost.name)
+
+    def _on_presence(self, relay: RelayClient) -> None:
+        for key in relay.present:
+            peer = self.peers_by_key.get(key)
+            if peer is not None:
+                peer.seen = True
+        self._pulse_reachability()
+
+    def _pulse_reachability(self) -> None:
+        self._reachability.set()
+        self._reachability = asyncio.Event()
+
+    def reachable(self, peer: Peer) -> bool:
+        """A relay is home and can deliver to the peer (the peer is connected to it, or to a
+        relay it meshes with)."""
+        home = self.home
+        return home is not None and home.up and peer.key in home.present
 
     # -- sending -------------------------------------------------------------------------------
 
@@ -247,6 +293,9 @@ class Tunnel:
 
     def _on_message(self, src: bytes, message: bytes) -> None:
         now = time.monotonic()
+        sender = self.peers_by_key.get(src)
+        if sender is not None:
+            sender.heard = now
         replies, delivered = self.device.receive(message, now, src)
         self._send_wire(replies)
         for peer_key, payload in delivered:
@@ -263,9 +312,12 @@ class Tunnel:
                 self._on_event(peer, event)
         self._schedule_flush()
 
-    def _on_event(self, peer: Peer, event: object) -> None:
+    def _on_event(self, peer: Peer, event: Event) -> None:
+        """One link event. A local socket's failure here resets its own stream; it never
+        raises, so the other events of the payload and the relay connection go on."""
+        key = (peer.key, event.stream)
+        bridge = self.bridges.get(key)
         if isinstance(event, Data):
-            bridge = self.bridges.get((peer.key, event.stream))
             if bridge is None:
                 return
             if bridge.writer is None:
@@ -273,39 +325,69 @@ class Tunnel:
                 # wired up: hold the bytes (at most the stream's credit window) until it is.
                 bridge.early.append(event.data)
                 return
-            bridge.writer.write(event.data)
-            bridge.written += len(event.data)
-            self._grant(bridge)
+            self._write(bridge, event.data)
         elif isinstance(event, CreditAvailable):
-            bridge = self.bridges.get((peer.key, event.stream))
             if bridge is not None:
                 bridge.credit.set()
         elif isinstance(event, StreamOpened):
             bridge = Bridge(peer, event.stream)
-            self.bridges[(peer.key, event.stream)] = bridge
+            self.bridges[key] = bridge
             bridge.task = asyncio.get_running_loop().create_task(self._inbound(bridge, event.port))
         elif isinstance(event, OpenResult):
-            bridge = self.bridges.get((peer.key, event.stream))
             if bridge is not None and bridge.opened is not None and not bridge.opened.done():
                 bridge.opened.set_result(0 if event.ok else event.code)
         elif isinstance(event, Closed):
-            bridge = self.bridges.get((peer.key, event.stream))
-            if bridge is not None and bridge.writer is not None and bridge.writer.can_write_eof():
-                try:
-                    bridge.writer.write_eof()
-                except OSError:
-                    pass
+            if bridge is not None and bridge.writer is not None:
+                self._write_eof(bridge)
             self._forget_if_done(peer, event.stream)
         elif isinstance(event, Reset):
-            bridge = self.bridges.pop((peer.key, event.stream), None)
             if bridge is not None:
-                bridge.finished.set()
-                bridge.credit.set()
+                self._drop_bridge(bridge)
                 if bridge.opened is not None and not bridge.opened.done():
                     bridge.opened.set_result(event.code)
-                if bridge.writer is not None:
-                    bridge.writer.transport.abort()
-        STREAMS.labels(self.node).set(len(self.bridges))
+                else:
+                    STREAM_RESETS.labels(self.node, "peer").inc()
+        self._streams_gauge.set(len(self.bridges))
+
+    def _write(self, bridge: Bridge, data: bytes) -> None:
+        writer = bridge.writer
+        assert writer is not None
+        if writer.transport.is_closing():
+            self.reset_stream(bridge, "local_closed")
+            return
+        try:
+            writer.write(data)
+        except (RuntimeError, OSError):  # closed between the check and the write
+            self.reset_stream(bridge, "local_write_failed")
+            return
+        bridge.written += len(data)
+        self._grant(bridge)
+
+    def _write_eof(self, bridge: Bridge) -> None:
+        writer = bridge.writer
+        assert writer is not None
+        if writer.transport.is_closing():
+            return  # the local side is gone already; its own reader ends the stream
+        try:
+            if writer.can_write_eof():
+                writer.write_eof()
+        except (RuntimeError, OSError):
+            self.reset_stream(bridge, "local_closed")
+
+    def reset_stream(self, bridge: Bridge, reason: str, code: int = GENERAL_FAILURE) -> None:
+        """This stream alone failed on our side: RST to the peer, the local socket aborted."""
+        bridge.peer.link.reset(bridge.stream, code)
+        self._drop_bridge(bridge)
+        STREAM_RESETS.labels(self.node, reason).inc()
+        self._schedule_flush()
+
+    def _drop_bridge(self, bridge: Bridge) -> None:
+        self.bridges.pop((bridge.peer.key, bridge.stream), None)
+        bridge.finished.set()
+        bridge.credit.set()
+        if bridge.writer is not None:
+            bridge.writer.transport.abort()
+        self._streams_gauge.set(len(self.bridges))
 
     def _grant(self, bridge: Bridge) -> None:
         """Give credit back once the bytes have left for the local socket."""
@@ -323,8 +405,8 @@ class Tunnel:
         try:
             if bridge.writer is not None:
                 await bridge.writer.drain()
-        except ConnectionError:
-            return
+        except (ConnectionError, RuntimeError):
+            return  # the socket is gone: its reader resets the stream
         finally:
             bridge.draining = False
         bridge.peer.link.consumed(bridge.stream, bridge.written)
@@ -341,42 +423,84 @@ class Tunnel:
 
     # -- streams -------------------------------------------------------------------------------
 
-    async def connect(self, address: str, port: int, timeout: float = 30.0) -> Bridge:
-        """Open a stream to `address:port` on a peer; StreamRefused carries the SOCKS code."""
+    async def _wait_reachable(self, peer: Peer) -> None:
+        """Return once a relay can deliver to `peer`; StreamRefused(host unreachable) at once
+        when it cannot, after at most the failover (or, for a peer not seen yet, its join)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (FAILOVER_WAIT if peer.seen else JOIN_GRACE)
+        while not self.reachable(peer):
+            left = deadline - loop.time()
+            if left <= 0:
+                STREAM_RESETS.labels(self.node, "open_unreachable").inc()
+                raise StreamRefused(HOST_UNREACHABLE)
+            try:
+                await asyncio.wait_for(self._reachability.wait(), left)
+            except TimeoutError:
+                pass
+
+    async def connect(self, address: str, port: int, timeout: float = OPEN_TIMEOUT) -> Bridge:
+        """Open a stream to `address:port` on a peer; StreamRefused carries the SOCKS code.
+
+        Answers as soon as the outcome is known: a peer no relay can reach, or one that stays
+        silent after the open went out, is unreachable within about a second; a refusal comes
+        back as the peer's own dial got it."""
         peer = self.peers_by_address.get(address)
         if peer is None:
-            raise StreamRefused(2)  # not allowed: not a member of this gang epoch
+            raise StreamRefused(NOT_ALLOWED)  # not a member of this gang epoch
+        await self._wait_reachable(peer)
+        loop = asyncio.get_running_loop()
         stream = peer.link.open_stream(port)
-        bridge = Bridge(peer, stream, opened=asyncio.get_running_loop().create_future())
+        opened: asyncio.Future[int] = loop.create_future()
+        bridge = Bridge(peer, stream, opened=opened)
         self.bridges[(peer.key, stream)] = bridge
         self._schedule_flush()
-        try:
-            assert bridge.opened is not None
-            code = await asyncio.wait_for(bridge.opened, timeout)
-        except TimeoutError:
-            peer.link.reset(stream, HOST_UNREACHABLE)
-            self.bridges.pop((peer.key, stream), None)
-            raise StreamRefused(6) from None
+        sent = time.monotonic()
+        deadline = loop.time() + timeout
+        while not opened.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(opened), 0.1)
+            except TimeoutError:
+                pass
+            if opened.done():
+                break
+            silent = peer.heard < sent and time.monotonic() - sent > LIVENESS
+            if silent or not self.reachable(peer):
+                await self._wait_reachable(peer)  # a failover under way may bring it back
+                if silent and peer.heard < sent:
+                    self._abandon_open(bridge, "open_unreachable", HOST_UNREACHABLE)
+                    raise StreamRefused(HOST_UNREACHABLE)
+            if loop.time() > deadline:
+                self._abandon_open(bridge, "open_timeout", TTL_EXPIRED)
+                raise StreamRefused(TTL_EXPIRED)
+        code = opened.result()
         if code:
             self.bridges.pop((peer.key, stream), None)
             raise StreamRefused(code)
         bridge.credit.set()
-        STREAMS.labels(self.node).set(len(self.bridges))
+        self._streams_gauge.set(len(self.bridges))
         return bridge
 
+    def _abandon_open(self, bridge: Bridge, reason: str, code: int) -> None:
+        bridge.peer.link.reset(bridge.stream, code)
+        self.bridges.pop((bridge.peer.key, bridge.stream), None)
+        STREAM_RESETS.labels(self.node, reason).inc()
+        self._schedule_flush()
+
     async def splice(
-        self, bridge: Bridge, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        bridge: Bridge,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        first: bytes = b"",
     ) -> None:
-        """Carry a local socket's bytes into the stream until it closes; the other direction
-        is written as it arrives (see _on_event)."""
+        """Carry a local socket's bytes into the stream until it closes, starting with `first`
+        (what the program sent before it was connected); the other direction is written as it
+        arrives (see _on_event)."""
         bridge.reader, bridge.writer = reader, writer
         bridge.task = asyncio.current_task()
         for data in bridge.early:
-            writer.write(data)
-            bridge.written += len(data)
+            self._write(bridge, data)
         bridge.early.clear()
-        if bridge.written:
-            self._grant(bridge)
         peer, stream = bridge.peer, bridge.stream
         link = peer.link
         try:
@@ -387,8 +511,20 @@ class Tunnel:
                     if link.credit(stream) <= 0:
                         await bridge.credit.wait()
                     continue
+                if first:
+                    taken = link.send(stream, first)
+                    first = first[taken:]
+                    self._schedule_flush()
+                    continue
                 await self._writable.wait()
-                data = await reader.read(min(credit, READ_SIZE))
+                try:
+                    data = await reader.read(min(credit, READ_SIZE))
+                except OSError:  # reset by the local program (SO_LINGER 0) or a socket error
+                    if (peer.key, stream) in self.bridges:
+                        self.reset_stream(bridge, "local_reset")
+                    return
+                if (peer.key, stream) not in self.bridges:
+                    return  # reset while we read (by the peer, or a failed local write)
                 if not data:
                     link.finish(stream)
                     self._schedule_flush()
@@ -398,33 +534,41 @@ class Tunnel:
             # Keep the socket open until the peer finishes its direction too.
             if stream in link.streams:
                 await bridge.finished.wait()
-        except ConnectionError:
-            link.reset(stream, GENERAL_FAILURE)
-            self._schedule_flush()
         finally:
             bridge.task = None
             self.bridges.pop((peer.key, stream), None)
             writer.close()
-            STREAMS.labels(self.node).set(len(self.bridges))
+            self._streams_gauge.set(len(self.bridges))
 
     async def _inbound(self, bridge: Bridge, port: int) -> None:
         """A peer's stream: dial the port on this member's own advertised address (G14)."""
         link = bridge.peer.link
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.address, port), 10.0
+                asyncio.open_connection(self.address, port), OPEN_TIMEOUT - 1.0
             )
         except ConnectionRefusedError:
-            link.refuse(bridge.stream, CONNECTION_REFUSED)
-            self.bridges.pop((bridge.peer.key, bridge.stream), None)
-            self._schedule_flush()
+            self._refuse_inbound(bridge, CONNECTION_REFUSED)
             return
         except (OSError, TimeoutError):
-            link.refuse(bridge.stream, HOST_UNREACHABLE)
-            self.bridges.pop((bridge.peer.key, bridge.stream), None)
-            self._schedule_flush()
+            self._refuse_inbound(bridge, HOST_UNREACHABLE)
+            return
+        if (bridge.peer.key, bridge.stream) not in self.bridges:
+            writer.transport.abort()  # the peer gave up (reset) while we dialled
             return
         link.accept(bridge.stream)
         bridge.credit.set()
         self._schedule_flush()
         await self.splice(bridge, reader, writer)
+
+    def _refuse_inbound(self, bridge: Bridge, code: int) -> None:
+        bridge.peer.link.refuse(bridge.stream, code)
+        self.bridges.pop((bridge.peer.key, bridge.stream), None)
+        self._streams_gauge.set(len(self.bridges))
+        self._schedule_flush()
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    """A relay task that died of a bug says so loudly (it is never an expected ending)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("relay task crashed", exc_info=task.exception())

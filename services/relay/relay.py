@@ -40,7 +40,9 @@ from libs.relayproto import (
     wireguard_type,
     x25519_public,
 )
-from libs.relayproto.connection import Connection
+from libs.relayproto.client import DEAD_AFTER
+from libs.relayproto.connection import Connection, Offered
+from libs.relayproto.handshake import HandshakeRefused
 from libs.runtime.tasks import cancel_and_wait
 from services.relay.billing import UsageMeter
 from services.relay.buckets import TokenBucket
@@ -59,6 +61,10 @@ from services.relay.metrics import (
 log = logging.getLogger("nodus.relay")
 VERSION = "0.1.0"
 READ_SIZE = 256 * 1024
+# Bytes queued to one member before what else is meant for it is dropped (counted): far more
+# than the senders' links keep in flight to it (libs.tunnel.Link's in-flight cap), so only a
+# member that stopped reading ever reaches it, and it costs nobody else anything.
+DESTINATION_LIMIT = 64 << 20
 
 
 @dataclass
@@ -70,6 +76,7 @@ class MemberSession:
     label: tuple[str, str] = ("", "")
     # The session's own counter child: no label lookup per forwarded frame (the hot path).
     bytes_out: Any = None
+    heard: float = 0.0  # loop time of the last frame from the member
 
     def __post_init__(self) -> None:
         self.bytes_out = BYTES.labels(self.identity.gang, self.identity.node, "out")
@@ -134,6 +141,7 @@ class Relay:
         self._tasks = [
             asyncio.create_task(self.meter.run()),
             asyncio.create_task(self._announce()),
+            asyncio.create_task(self._sweep_silent()),
             *(asyncio.create_task(self._mesh_link(peer)) for peer in self.peers.values()),
         ]
         log.info("relay %s (%s) listening on %s", self.name, self.region, self.address)
@@ -170,25 +178,24 @@ class Relay:
     # -- connections ---------------------------------------------------------------------------
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection's whole life. What goes wrong here belongs to this connection: it
+        is counted and the connection closed; no other session is touched."""
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
         conn = Connection(reader, writer)
         try:
-            nonce = secrets.token_bytes(32)
-            await conn.send(Challenge(self.public_key, nonce))
-            first = await conn.first_frame()
-            if isinstance(first, Hello):
-                await self._member(conn, first, nonce)
-            elif isinstance(first, MeshHello):
-                await self._inbound_mesh(conn, first, nonce)
-            else:
-                REFUSED.labels("bad_hello").inc()
+            handshake = await conn.accept(self.public_key)
+            hello = handshake.hello
+            if isinstance(hello, Hello):
+                await self._member(conn, hello, handshake.nonce)
+            elif isinstance(hello, MeshHello):
+                await self._inbound_mesh(conn, hello, handshake.nonce)
         except FrameError as error:
             DROPPED.labels("malformed").inc()
             await _refuse(conn, "malformed", str(error))
-        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
-            pass
+        except (TimeoutError, OSError):
+            pass  # the peer went away or never finished its hello
         except asyncio.CancelledError:
             pass  # the relay is stopping: end quietly (asyncio logs a cancelled handler as an error)
         finally:
@@ -221,33 +228,42 @@ class Relay:
         session = MemberSession(
             hello.wg_key, identity, conn, TokenBucket(rate), (identity.gang, identity.node)
         )
+        session.heard = asyncio.get_running_loop().time()
         old = self.sessions.get(hello.wg_key)
         if old is not None:
             old.conn.close()
         self.sessions[hello.wg_key] = session
         SESSIONS.set(len(self.sessions))
-        await conn.send(Welcome(self.name, self.region, rate))
-        await self._tell_peers(Present(hello.wg_key, identity.gang, identity.epoch))
+        conn.send_nowait(Welcome(self.name, self.region, rate))
+        conn.send_nowait(PresenceDump(tuple(self._reachable_peers(session))))
+        self._tell_peers(Present(hello.wg_key, identity.gang, identity.epoch))
+        self._presence_changed(hello.wg_key, identity.gang, identity.epoch)
         try:
             await self._member_loop(session)
         finally:
             if self.sessions.get(hello.wg_key) is session:
                 del self.sessions[hello.wg_key]
                 SESSIONS.set(len(self.sessions))
-                await self._tell_peers(Absent(hello.wg_key))
+                self._tell_peers(Absent(hello.wg_key))
+                self._presence_changed(hello.wg_key, identity.gang, identity.epoch)
 
     async def _member_loop(self, session: MemberSession) -> None:
+        """Read one member's frames and forward them. Only this member's own conduct ends its
+        session (EOF, garbage, a fenced epoch); a destination that is gone or full loses the
+        frames meant for it, counted, and the sender never notices."""
         conn = session.conn
         gang, node = session.label
         sent = BYTES.labels(gang, node, "in")
         waited = BUCKET_WAIT.labels(gang, node)
         identity = session.identity
+        loop = asyncio.get_running_loop()
         while not conn.closed:
             try:
                 frames = await conn.read_frames()
             except FrameError:
                 DROPPED.labels("malformed").inc()
                 return
+            session.heard = loop.time()
             for frame in frames:
                 if isinstance(frame, Send):
                     size = len(frame.message)
@@ -260,9 +276,13 @@ class Relay:
                         return
                     sent.inc(size)
                     self.meter.add(identity.gang, identity.epoch, identity.node, size)
-                    await self._route(session.key, frame.dst, frame.message)
+                    mesh = self._route(session.key, frame.dst, frame.message)
+                    if mesh is not None:
+                        # Onto the shared mesh link: the sender waits while it is full (its own
+                        # backpressure), never a destination behind it.
+                        await mesh.send(Forward(session.key, frame.dst, frame.message))
                 elif isinstance(frame, Ping):
-                    await conn.send(Pong(frame.data))
+                    conn.send_nowait(Pong(frame.data))
                 elif isinstance(frame, Home):
                     if frame.failover:
                         FAILOVERS.inc()
@@ -271,28 +291,33 @@ class Relay:
                 else:
                     DROPPED.labels("unexpected_frame").inc()
 
-    async def _route(self, src: bytes, dst: bytes, message: bytes, from_mesh: bool = False) -> None:
+    def _route(
+        self, src: bytes, dst: bytes, message: bytes, from_mesh: bool = False
+    ) -> Connection | None:
+        """Deliver to a member homed here without waiting for it; returns the mesh link to
+        forward on when the destination is on another relay."""
         if wireguard_type(message) is None:
             DROPPED.labels("not_wireguard").inc()
-            return
+            return None
         if not self.membership.same_epoch(src, dst):
             DROPPED.labels("not_same_gang_epoch").inc()
-            return
+            return None
         local = self.sessions.get(dst)
         if local is not None:
-            local.bytes_out.inc(len(message))
-            await local.conn.send(Recv(src, message))
-            return
-        if from_mesh:
-            DROPPED.labels("no_route").inc()
-            return
-        for relay, present in self.remote.items():
-            if dst in present:
-                peer = self._link_to(relay)
-                if peer is not None and peer.conn is not None:
-                    await peer.conn.send(Forward(src, dst, message))
-                    return
+            offered = local.conn.offer(Recv(src, message), DESTINATION_LIMIT)
+            if offered is Offered.SENT:
+                local.bytes_out.inc(len(message))
+            else:
+                DROPPED.labels(offered.value).inc()
+            return None
+        if not from_mesh:
+            for relay, present in self.remote.items():
+                if dst in present:
+                    peer = self._link_to(relay)
+                    if peer is not None and peer.conn is not None:
+                        return peer.conn
         DROPPED.labels("no_route").inc()
+        return None
 
     def _link_to(self, relay: str) -> MeshPeer | None:
         for peer in self.peers.values():
@@ -307,37 +332,79 @@ class Relay:
                 log.info("fenced %s epoch %d: closing %s", gang, epoch, session.identity.node)
                 session.conn.close()
 
+    async def _sweep_silent(self) -> None:
+        """Members ping every second; one that has said nothing for DEAD_AFTER is gone (a
+        paused or hung agent): its session ends, so its peers learn it is unreachable."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(1.0)
+            t = loop.time()
+            for session in list(self.sessions.values()):
+                if t - session.heard > DEAD_AFTER:
+                    log.info(
+                        "%s of %s silent for %.1f s: closing its session",
+                        session.identity.node,
+                        session.identity.gang,
+                        t - session.heard,
+                    )
+                    session.conn.abort()
+
+    # -- presence ------------------------------------------------------------------------------
+
+    def _reachable_peers(self, session: MemberSession) -> list[Present]:
+        """The members of `session`'s epoch this relay can deliver to (homed here or on a
+        relay we have a mesh link to)."""
+        gang, epoch = session.identity.gang, session.identity.epoch
+        keys = {
+            k
+            for k, s in self.sessions.items()
+            if (s.identity.gang, s.identity.epoch) == (gang, epoch)
+        }
+        for present in self.remote.values():
+            keys |= {k for k, where in present.items() if where == (gang, epoch)}
+        keys.discard(session.key)
+        return [Present(k, gang, epoch) for k in sorted(keys)]
+
+    def _reachable(self, key: bytes) -> bool:
+        if key in self.sessions:
+            return True
+        return any(
+            key in present and self._link_to(relay) is not None
+            for relay, present in self.remote.items()
+        )
+
+    def _presence_changed(self, key: bytes, gang: str, epoch: int) -> None:
+        """Tell the epoch's members homed here whether `key` is reachable through us now."""
+        frame: Present | Absent = Present(key, gang, epoch) if self._reachable(key) else Absent(key)
+        for other in list(self.sessions.values()):
+            if other.key != key and (other.identity.gang, other.identity.epoch) == (gang, epoch):
+                other.conn.send_nowait(frame)
+
     # -- mesh ----------------------------------------------------------------------------------
 
-    async def _tell_peers(self, frame: Frame) -> None:
+    def _tell_peers(self, frame: Frame) -> None:
         for peer in self.peers.values():
             if peer.conn is not None and not peer.conn.closed:
-                await peer.conn.send(frame)
+                peer.conn.send_nowait(frame)
 
     async def _mesh_link(self, peer: MeshPeer) -> None:
         """Keep our link to one mesh peer up: prove the mesh key, learn its name, dump who is
         homed here, then send presence deltas (via _tell_peers) and forwarded frames."""
         host, port = _split(peer.address)
+
+        def hello(challenge: Challenge) -> MeshHello:
+            return MeshHello(self.name, mesh_proof(self.mesh_key, challenge.nonce, self.name))
+
         while True:
             conn: Connection | None = None
             try:
                 reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 3.0)
                 conn = Connection(reader, writer)
-                challenge = await conn.first_frame()
-                if not isinstance(challenge, Challenge):
-                    raise FrameError("mesh peer did not challenge")
-                await conn.send(
-                    MeshHello(self.name, mesh_proof(self.mesh_key, challenge.nonce, self.name))
-                )
-                welcome = await conn.first_frame()
-                if isinstance(welcome, ErrorFrame):
-                    raise FrameError(f"mesh peer refused: {welcome.code}: {welcome.message}")
-                if not isinstance(welcome, Welcome):
-                    raise FrameError("mesh peer did not welcome")
+                welcome = await conn.dial(hello)
                 peer.name = welcome.relay
                 peer.conn = conn
                 self._count_mesh()
-                await conn.send(
+                conn.send_nowait(
                     PresenceDump(
                         tuple(
                             Present(k, s.identity.gang, s.identity.epoch)
@@ -345,21 +412,33 @@ class Relay:
                         )
                     )
                 )
+                self._mesh_reachability_changed(peer.name)
                 log.info("mesh link to %s (%s) up", peer.name, peer.address)
                 while not conn.closed:
                     await conn.read_frames()  # only Pongs come back; EOF means the peer is gone
             except asyncio.CancelledError:
                 raise
-            except (OSError, TimeoutError, FrameError, asyncio.IncompleteReadError) as error:
+            except HandshakeRefused as refused:
+                log.warning("mesh peer %s refused us: %s", peer.address, refused)
+            except (OSError, TimeoutError, FrameError) as error:
                 if peer.conn is not None:
                     log.warning("mesh link to %s lost: %s", peer.address, error)
                     MESH_LOSSES.labels(peer.name or peer.address).inc()
             finally:
                 if conn is not None:
                     conn.close()
+                was_up = peer.conn is not None
                 peer.conn = None
                 self._count_mesh()
+                if was_up:
+                    self._mesh_reachability_changed(peer.name)
             await asyncio.sleep(0.5)
+
+    def _mesh_reachability_changed(self, relay: str) -> None:
+        """Our link to `relay` came up or went down: its members' reachability changed."""
+        for key, (gang, epoch) in list(self.remote.get(relay, {}).items()):
+            if key not in self.sessions:
+                self._presence_changed(key, gang, epoch)
 
     def _count_mesh(self) -> None:
         MESH_PEERS.set(
@@ -367,41 +446,58 @@ class Relay:
         )
 
     async def _inbound_mesh(self, conn: Connection, hello: MeshHello, nonce: bytes) -> None:
-        """Another relay's link to us: its presence, and frames it forwards to our members."""
+        """Another relay's link to us: its presence, and frames it forwards to our members.
+        This loop is shared by every gang crossing the mesh: it never waits for a member."""
         if not hmac.compare_digest(mesh_proof(self.mesh_key, nonce, hello.name), hello.proof):
             REFUSED.labels("bad_mesh_proof").inc()
             await _refuse(conn, "BadProof", "wrong mesh key")
             return
-        await conn.send(Welcome(self.name, self.region, 0))
+        conn.send_nowait(Welcome(self.name, self.region, 0))
         present: dict[bytes, tuple[str, int]] = {}
         self.remote[hello.name] = present
         try:
             while not conn.closed:
-                for frame in await conn.read_frames():
+                try:
+                    frames = await conn.read_frames()
+                except FrameError:
+                    DROPPED.labels("malformed").inc()
+                    return
+                for frame in frames:
                     if isinstance(frame, Forward):
-                        await self._route(frame.src, frame.dst, frame.message, from_mesh=True)
+                        self._route(frame.src, frame.dst, frame.message, from_mesh=True)
                     elif isinstance(frame, PresenceDump):
+                        before = dict(present)
                         present.clear()
                         present.update({e.key: (e.gang, e.epoch) for e in frame.entries})
+                        for key, where in {**before, **present}.items():
+                            if key not in self.sessions:
+                                self._presence_changed(key, *where)
                     elif isinstance(frame, Present):
                         present[frame.key] = (frame.gang, frame.epoch)
+                        if frame.key not in self.sessions:
+                            self._presence_changed(frame.key, frame.gang, frame.epoch)
                     elif isinstance(frame, Absent):
-                        present.pop(frame.key, None)
+                        gone = present.pop(frame.key, ("", 0))
+                        if gone[0] and frame.key not in self.sessions:
+                            self._presence_changed(frame.key, *gone)
                     elif isinstance(frame, Ping):
-                        await conn.send(Pong(frame.data))
+                        conn.send_nowait(Pong(frame.data))
                     else:
                         DROPPED.labels("unexpected_frame").inc()
         finally:
             if self.remote.get(hello.name) is present:
                 del self.remote[hello.name]
+                for key, where in present.items():
+                    if key not in self.sessions:
+                        self._presence_changed(key, *where)
 
 
 async def _refuse(conn: Connection, code: str, message: str) -> None:
-    try:
-        await conn.send(ErrorFrame(code, message))
-        await asyncio.wait_for(conn.writer.drain(), 1.0)
-    except (ConnectionError, TimeoutError):
-        pass
+    if conn.send_nowait(ErrorFrame(code, message)):
+        try:
+            await asyncio.wait_for(conn.writer.drain(), 1.0)
+        except (ConnectionError, TimeoutError, RuntimeError):
+            pass
 
 
 def _split(address: str) -> tuple[str, int]:

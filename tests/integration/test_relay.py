@@ -25,7 +25,7 @@ from libs.contracts.jobs import PathClass
 from libs.contracts.relay import Member
 from libs.relayproto import encode, x25519_public
 from libs.relayproto.frames import Send
-from services.agent.relayclient import RelayClient
+from libs.relayproto.client import RelayClient
 from services.relay.relay import Relay
 
 MESH_KEY = b"k" * 32

@@ -1,0 +1,183 @@
+"""A member's connection to one relay: prove the epoch's WireGuard key, then send and receive
+WireGuard messages and learn which peers of the epoch the relay can reach. The tunnel keeps
+two of these and moves between them (G15).
+
+The client owns its connection and nothing else: it ends when the relay closes, resets,
+sends garbage or falls silent (no frame for DEAD_AFTER seconds while pinging every
+PING_INTERVAL), and says why; what the messages mean is the tunnel's business."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+
+from libs.contracts.errors import ErrorCode, NodusError
+from libs.relayproto.auth import member_proof
+from libs.relayproto.connection import Connection
+from libs.relayproto.frames import (
+    Absent,
+    Challenge,
+    ErrorFrame,
+    FrameError,
+    Hello,
+    Home,
+    Ping,
+    Pong,
+    PresenceDump,
+    Present,
+    Recv,
+    Send,
+    encode,
+)
+from libs.relayproto.handshake import HandshakeRefused
+
+log = logging.getLogger("nodus.relay.client")
+
+PING_INTERVAL = 1.0
+DEAD_AFTER = 3.0  # a relay that says nothing for this long is gone (a hung or paused process)
+
+
+class RelayClient:
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        gang: str,
+        epoch: int,
+        node: str,
+        wg_private: bytes,
+        wg_public: bytes,
+        on_message: Callable[[bytes, bytes], None],
+        on_presence: Callable[[RelayClient], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.address = address
+        self.gang, self.epoch, self.node = gang, epoch, node
+        self._private, self._public = wg_private, wg_public
+        self.on_message = on_message
+        self.on_presence = on_presence
+        self.conn: Connection | None = None
+        self.region = ""
+        self.rate_bps = 0
+        self.present: set[bytes] = set()  # peers of our epoch this relay can reach
+        self.ended = ""  # why the last connection ended
+
+    @property
+    def up(self) -> bool:
+        return self.conn is not None and not self.conn.closed
+
+    async def connect(self, timeout: float = 5.0) -> None:
+        """Raises OSError, TimeoutError, FrameError, or NodusError when the relay refuses."""
+        host, _, port = self.address.rpartition(":")
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]"), int(port)), timeout
+        )
+        conn = Connection(reader, writer)
+
+        def hello(challenge: Challenge) -> Hello:
+            proof = member_proof(
+                self._private,
+                challenge.relay_key,
+                challenge.nonce,
+                self.gang,
+                self.epoch,
+                self.node,
+            )
+            return Hello(self.gang, self.epoch, self.node, self._public, proof)
+
+        try:
+            welcome = await conn.dial(hello, timeout)
+        except HandshakeRefused as refused:
+            conn.abort()
+            raise NodusError(
+                ErrorCode.CONFLICT, f"relay {self.name} refused: {refused.code}: {refused.message}"
+            ) from None
+        except BaseException:
+            conn.abort()
+            raise
+        self.region, self.rate_bps = welcome.region, welcome.member_rate_bps
+        self.present = set()
+        self.conn = conn
+
+    async def run(self) -> None:
+        """Deliver what the relay sends until the connection ends (then `up` is False and
+        `ended` says why). Never raises for anything the relay or the network did."""
+        conn = self.conn
+        if conn is None:
+            return
+        loop = asyncio.get_running_loop()
+        heard = [loop.time()]
+        keepalive = loop.create_task(self._keepalive(conn, heard))
+        try:
+            while not conn.closed:
+                frames = await conn.read_frames()
+                heard[0] = loop.time()
+                for frame in frames:
+                    if isinstance(frame, Recv):
+                        self.on_message(frame.src, frame.message)
+                    elif isinstance(frame, Ping):
+                        conn.send_nowait(Pong(frame.data))
+                    elif isinstance(frame, Present):
+                        self._presence(add=(frame.key,))
+                    elif isinstance(frame, Absent):
+                        self._presence(remove=(frame.key,))
+                    elif isinstance(frame, PresenceDump):
+                        self.present.clear()
+                        self._presence(add=tuple(e.key for e in frame.entries))
+                    elif isinstance(frame, ErrorFrame):
+                        self.ended = f"relay said {frame.code}: {frame.message}"
+                        log.warning("relay %s: %s: %s", self.name, frame.code, frame.message)
+                        conn.close()
+            self.ended = self.ended or "closed"
+        except (ConnectionError, OSError) as error:
+            self.ended = f"connection ended: {error}"
+        except FrameError as error:
+            self.ended = f"malformed frame from the relay: {error}"
+        finally:
+            keepalive.cancel()
+            conn.abort()
+            if self.present:
+                self.present.clear()
+                if self.on_presence is not None:
+                    self.on_presence(self)
+
+    async def _keepalive(self, conn: Connection, heard: list[float]) -> None:
+        loop = asyncio.get_running_loop()
+        while not conn.closed:
+            await asyncio.sleep(PING_INTERVAL)
+            if loop.time() - heard[0] > DEAD_AFTER:
+                self.ended = f"silent for more than {DEAD_AFTER:g} s"
+                conn.abort()  # wakes the reader with a reset
+                return
+            conn.send_nowait(Ping(os.urandom(8)))
+
+    def _presence(self, add: tuple[bytes, ...] = (), remove: tuple[bytes, ...] = ()) -> None:
+        self.present.update(add)
+        self.present.difference_update(remove)
+        if self.on_presence is not None:
+            self.on_presence(self)
+
+    def send_now(self, dst: bytes, message: bytes) -> bool:
+        """Queue a WireGuard message without waiting; False when this relay is down (the
+        link resends what the peer did not acknowledge)."""
+        conn = self.conn
+        return conn is not None and conn.send_nowait(encode(Send(dst, message)))
+
+    def backlog(self) -> int:
+        conn = self.conn
+        return conn.backlog if conn is not None else 0
+
+    async def drain(self) -> None:
+        conn = self.conn
+        if conn is not None:
+            await conn.drain()
+
+    def home(self, failover: bool) -> None:
+        if self.conn is not None:
+            self.conn.send_nowait(Home(failover))
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
