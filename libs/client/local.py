@@ -112,6 +112,8 @@ class LocalSystem:
                     others,
                     "--mesh-key-file",
                     str(key_file.resolve()),
+                    "--usage-journal",
+                    str((self.state_dir / "relays" / f"relay-{index}.usage").resolve()),
                     *self.relay_args,
                 ],
             )

@@ -71,6 +71,8 @@ class SocksFront:
             await self.tunnel.splice(bridge, reader, writer, codec.take_early_data())
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
             pass
+        except asyncio.CancelledError:
+            pass  # the entry is stopping: end quietly (asyncio logs a cancelled handler as an error)
         finally:
             self._clients.discard(task)
             writer.close()

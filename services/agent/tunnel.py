@@ -424,13 +424,16 @@ class Tunnel:
     # -- streams -------------------------------------------------------------------------------
 
     async def _wait_reachable(self, peer: Peer) -> None:
-        """Return once a relay can deliver to `peer`; StreamRefused(host unreachable) at once
-        when it cannot, after at most the failover (or, for a peer not seen yet, its join)."""
+        """Return once a relay can deliver to `peer`. A peer no connected relay can reach is
+        unreachable at once (StreamRefused, host unreachable); while the tunnel is failing
+        over, or the peer is reachable through a relay that is not home yet, wait at most the
+        failover; a peer not seen yet (the epoch has just started) gets its join's time."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (FAILOVER_WAIT if peer.seen else JOIN_GRACE)
         while not self.reachable(peer):
+            elsewhere = any(r.up and peer.key in r.present for r in self.relays)
             left = deadline - loop.time()
-            if left <= 0:
+            if left <= 0 or (peer.seen and self.home is not None and not elsewhere):
                 STREAM_RESETS.labels(self.node, "open_unreachable").inc()
                 raise StreamRefused(HOST_UNREACHABLE)
             try:

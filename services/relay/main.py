@@ -48,6 +48,14 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         help="this relay's X25519 private key (32 raw bytes); created if missing",
     )
     parser.add_argument(
+        "--usage-journal",
+        type=Path,
+        default=Path(os.environ.get("STATE_DIRECTORY", "/var/lib/nodus/relay")) / "usage.journal",
+        help="file where metered bytes are kept until published, so a killed relay loses no "
+        "billing: it publishes them when it starts again (default: $STATE_DIRECTORY/"
+        "usage.journal, else /var/lib/nodus/relay/usage.journal)",
+    )
+    parser.add_argument(
         "--no-rate-limit", action="store_true", help="benchmarks only: no per-gang cap"
     )
 
@@ -82,17 +90,24 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         buckets=[names.BUCKET_MEMBERS, names.BUCKET_EPOCHS, names.BUCKET_RELAYS],
         streams=True,
     )
-    relay = Relay(
-        bus,
-        args.name,
-        args.region,
-        (host, port),
-        [a for a in args.mesh_with.split(",") if a],
-        mesh_key,
-        private_key=private_key,
-        rate_limit=not args.no_rate_limit,
-        advertise=args.advertise,
-    )
+    try:
+        relay = Relay(
+            bus,
+            args.name,
+            args.region,
+            (host, port),
+            [a for a in args.mesh_with.split(",") if a],
+            mesh_key,
+            private_key=private_key,
+            rate_limit=not args.no_rate_limit,
+            advertise=args.advertise,
+            usage_journal=args.usage_journal,
+        )
+    except (OSError, ValueError) as error:
+        await bus.close()
+        raise NodusError(
+            ErrorCode.INVALID, f"usage journal {args.usage_journal}: {error}"
+        ) from None
     try:
         await relay.start()
         await stop.wait()

@@ -8,8 +8,8 @@ import asyncio
 import hmac
 import logging
 import os
-import secrets
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from libs.bus import Bus
@@ -103,6 +103,7 @@ class Relay:
         private_key: bytes | None = None,
         rate_limit: bool = True,
         advertise: str | None = None,
+        usage_journal: Path | None = None,
     ) -> None:
         self.bus = bus
         self.name = name
@@ -113,9 +114,8 @@ class Relay:
         self.public_key = x25519_public(self.private_key)
         self.rate_limit = rate_limit
         self.advertise = advertise
-        self.boot = secrets.token_hex(4)
         self.membership = Membership(bus)
-        self.meter = UsageMeter(bus, name, self.boot)
+        self.meter = UsageMeter(bus, name, usage_journal)
         self.sessions: dict[bytes, MemberSession] = {}
         self.peers = {address: MeshPeer(address) for address in mesh_with}
         # Who is homed on each other relay, as that relay tells us on its link to us.
@@ -156,6 +156,7 @@ class Relay:
                 peer.conn.close()
         await cancel_and_wait([*self._tasks, *self._handlers])
         await self.meter.flush()
+        self.meter.close()
         await self.membership.stop()
 
     async def _announce(self) -> None:

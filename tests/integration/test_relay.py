@@ -5,155 +5,18 @@ epochs are cut off, malformed input is a counted drop, and bytes are metered onc
 from __future__ import annotations
 
 import asyncio
-import base64
-import os
-from collections.abc import AsyncIterator, Iterator
-from datetime import timedelta
 
 import pytest
-from prometheus_client import REGISTRY
 
 from libs.bus import Bus
-from libs.bus.server import free_port
 from libs.client.client import Client
 from libs.contracts import names
-from libs.contracts.base import now
-from libs.contracts.bounds import derive
-from libs.contracts.epochs import Epoch, EpochMember
+from libs.contracts.epochs import Epoch
 from libs.contracts.errors import NodusError
-from libs.contracts.jobs import PathClass
-from libs.contracts.relay import Member
-from libs.relayproto import encode, x25519_public
+from libs.relayproto import encode
 from libs.relayproto.frames import Send
-from libs.relayproto.client import RelayClient
 from services.relay.relay import Relay
-
-MESH_KEY = b"k" * 32
-
-
-def wg_shaped(size: int, fill: int = 0x41) -> bytes:
-    """A transport-shaped message (type 4, 16-byte header, padded body): what relays accept."""
-    body = (size + 15) // 16 * 16
-    return b"\x04\x00\x00\x00" + bytes(12) + bytes([fill]) * body + bytes(16)
-
-
-class Node:
-    def __init__(self, gang: str, epoch: int, name: str) -> None:
-        self.gang, self.epoch, self.name = gang, epoch, name
-        self.private = os.urandom(32)
-        self.public = x25519_public(self.private)
-        self.inbox: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
-
-    def client(self, relay: Relay) -> RelayClient:
-        return RelayClient(
-            relay.name,
-            relay.address,
-            self.gang,
-            self.epoch,
-            self.name,
-            self.private,
-            self.public,
-            lambda src, msg: self.inbox.put_nowait((src, msg)),
-        )
-
-
-async def known(relays: tuple[Relay, Relay], *nodes: Node) -> None:
-    """Wait until both relays have read the nodes' member records."""
-    for _ in range(200):
-        if all(r.membership.identity(n.public) is not None for r in relays for n in nodes):
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("relays never saw the member records")
-
-
-async def enrol(bus: Bus, gang: str, epoch: int, nodes: list[Node]) -> None:
-    t = now()
-    await bus.bucket(names.BUCKET_EPOCHS, Epoch).put(
-        names.epoch_key(gang, epoch),
-        Epoch(
-            gang=gang,
-            epoch=epoch,
-            path=PathClass.RELAYED,
-            mesh_id="m" * 32,
-            verify_key="v",
-            members=[
-                EpochMember(
-                    rank=i,
-                    node=n.name,
-                    address=f"10.0.0.{i + 1}",
-                    interface="eth0",
-                    devices=[],
-                    env={},
-                )
-                for i, n in enumerate(nodes)
-            ],
-            bounds=derive(PathClass.RELAYED, len(nodes)),
-            created_time=t,
-            join_keys_expire_time=t + timedelta(minutes=15),
-            placed_by="test",
-        ),
-    )
-    for rank, node in enumerate(nodes):
-        await bus.bucket(names.BUCKET_MEMBERS, Member).put(
-            names.member_key(gang, epoch, node.name),
-            Member(
-                gang=gang,
-                epoch=epoch,
-                node=node.name,
-                rank=rank,
-                address=f"10.0.0.{rank + 1}",
-                wg_public_key=base64.b64encode(node.public).decode(),
-                joined_time=t,
-            ),
-        )
-
-
-@pytest.fixture
-async def relays(bus: Bus) -> AsyncIterator[tuple[Relay, Relay]]:
-    ports = [free_port(), free_port()]
-    pair = (
-        Relay(bus, "relay-a", "eu", ("127.0.0.1", ports[0]), [f"127.0.0.1:{ports[1]}"], MESH_KEY),
-        Relay(bus, "relay-b", "us", ("127.0.0.1", ports[1]), [f"127.0.0.1:{ports[0]}"], MESH_KEY),
-    )
-    for relay in pair:
-        await relay.start()
-    # Wait for the mesh links in both directions.
-    for _ in range(100):
-        if all(any(p.conn for p in r.peers.values()) for r in pair) and all(r.remote for r in pair):
-            break
-        await asyncio.sleep(0.05)
-    yield pair
-    for relay in pair:
-        await relay.stop()
-
-
-def metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-async def counted(name: str, value: float, **labels: str) -> None:
-    for _ in range(250):
-        if metric(name, **labels) >= value:
-            assert metric(name, **labels) == value
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{name}{labels} never reached {value}")
-
-
-LIVE: list[tuple[RelayClient, asyncio.Task[None]]] = []  # a dropped client would close
-
-
-@pytest.fixture(autouse=True)
-def _live_clients() -> Iterator[None]:
-    yield
-    LIVE.clear()
-
-
-async def connected(node: Node, relay: Relay) -> RelayClient:
-    client = node.client(relay)
-    await client.connect()
-    LIVE.append((client, asyncio.get_running_loop().create_task(client.run())))
-    return client
+from tests.integration.conftest import Node, connected, counted, enrol, known, metric, wg_shaped
 
 
 async def present_everywhere(relays: tuple[Relay, Relay], *nodes: Node) -> None:

@@ -8,93 +8,13 @@ import asyncio
 import hashlib
 import os
 import random
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import pytest
 
-from libs.bus import Bus
 from libs.bus.server import free_port
-from libs.client.client import Client
-from services.agent.agent import Agent
-from services.relay.relay import Relay
-from tests.conftest import StartPlacer, eventually
-from tests.factories import job, machine
+from tests.conftest import eventually
+from tests.integration.conftest import Gang
 from tests.socks_client import socks_connect
-
-MESH_KEY = b"m" * 32
-L4 = {"count": 1, "backend": "cuda", "model": "L4"}
-
-
-@dataclass
-class Gang:
-    relays: list[Relay]
-    agents: list[Agent]
-    socks: list[tuple[str, int]]
-    addresses: list[str]
-
-
-@pytest.fixture
-async def gang(bus: Bus, start_placer: StartPlacer) -> AsyncIterator[Gang]:
-    ports = [free_port(), free_port()]
-    relays = [
-        Relay(
-            bus,
-            f"relay-{i}",
-            ["eu-central", "us-east"][i],
-            ("127.0.0.1", ports[i]),
-            [f"127.0.0.1:{ports[1 - i]}"],
-            MESH_KEY,
-        )
-        for i in range(2)
-    ]
-    for relay in relays:
-        await relay.start()
-    socks = [("127.0.0.1", free_port()), ("127.0.0.1", free_port())]
-    addresses = ["127.0.1.21", "127.0.1.22"]
-    agents = [
-        Agent(
-            bus,
-            machine(
-                "vast-a",
-                provider="vast",
-                offering="container",
-                address=addresses[0],
-                accelerators=L4,
-            ),
-            heartbeat_seconds=0.5,
-            socks_endpoint=f"{socks[0][0]}:{socks[0][1]}",
-        ),
-        Agent(
-            bus,
-            machine("lam-b", provider="lambda", address=addresses[1], accelerators=L4),
-            heartbeat_seconds=0.5,
-            socks_endpoint=f"{socks[1][0]}:{socks[1][1]}",
-        ),
-    ]
-    for agent in agents:
-        await agent.start()
-    await start_placer()
-    await Client(bus).apply(
-        job(
-            "rl",
-            org="acme",
-            accelerators={"model": "L4"},
-            distributed={"members": 2, "transport": "Auto"},
-        )
-    )
-
-    async def tunnels_up() -> bool:
-        return all(
-            a.relayed and all(r.socks is not None for r in a.relayed.values()) for a in agents
-        )
-
-    await eventually(tunnels_up, timeout=20)
-    yield Gang(relays, agents, socks, addresses)
-    for agent in agents:
-        await agent.stop()
-    for relay in relays:
-        await relay.stop()
 
 
 async def test_a_program_on_one_member_reaches_a_listener_on_the_other(gang: Gang) -> None:
@@ -203,11 +123,11 @@ def relay_io(monkeypatch: pytest.MonkeyPatch) -> Recording:
             recording.data += data
             return self.decoder.feed(data)
 
-        async def send(self, frame):  # type: ignore[no-untyped-def]
+        def send_nowait(self, frame):  # type: ignore[no-untyped-def]
             from libs.relayproto import encode
 
-            recording.data += encode(frame)
-            await base.send(self, frame)
+            recording.data += frame if isinstance(frame, bytes) else encode(frame)
+            return base.send_nowait(self, frame)
 
     monkeypatch.setattr(relay_module, "Connection", RecordingConnection)
     return recording

@@ -199,3 +199,28 @@ def test_resends_without_progress_back_off() -> None:
     assert not a.tick(a.rto * 2)  # the next waits twice as long ...
     assert a.tick(a.rto + 0.1 + 2 * a.rto + 0.1)  # ... then resends
     assert a.stats["retransmits"] == 2
+
+
+def test_the_link_keeps_at_most_its_in_flight_cap_unacknowledged_and_wakes_streams_on_ack() -> (
+    None
+):
+    a, b = Link(0, window=1 << 20, max_inflight=64 * 1024), Link(1, window=1 << 20)
+    streams = [a.open_stream(80 + i) for i in range(3)]
+    for payload in a.outgoing():
+        for event in b.receive(payload):
+            if isinstance(event, StreamOpened):
+                b.accept(event.stream)
+    for payload in b.outgoing():
+        a.receive(payload)
+    # Three streams, each with a megabyte of credit, share 64 KiB of room on the link.
+    taken = [a.send(s, b"x" * (1 << 20)) for s in streams]
+    assert sum(taken) <= 64 * 1024
+    assert all(a.credit(s) == 0 for s in streams)
+    for payload in a.outgoing():
+        b.receive(payload)
+    b.tick(0.0)  # the receiver acknowledges what it took
+    woken: list[object] = []
+    for payload in b.outgoing():
+        woken += a.receive(payload)
+    assert {e.stream for e in woken if isinstance(e, CreditAvailable)} == set(streams)
+    assert all(a.credit(s) > 0 for s in streams)

@@ -1,0 +1,96 @@
+"""The opening of a relay connection, sans-I/O: each side in order, frames that arrive with
+the last handshake frame kept for the session (a relay may send Welcome and the first
+forwarded message in one TCP read), refusals and out-of-order frames as clear errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from libs.relayproto import (
+    Challenge,
+    ErrorFrame,
+    FrameError,
+    Hello,
+    MeshHello,
+    Recv,
+    Send,
+    Welcome,
+    encode,
+)
+from libs.relayproto.connection import Connection
+from libs.relayproto.handshake import AcceptorHandshake, DialerHandshake, HandshakeRefused
+
+KEY = b"k" * 32
+HELLO = Hello("acme.g", 1, "a", b"w" * 32, b"p" * 32)
+MESSAGE = b"\x04\x00\x00\x00" + bytes(28)
+
+
+def test_the_dialer_answers_the_challenge_then_keeps_what_follows_welcome() -> None:
+    dialer = DialerHandshake(lambda challenge: HELLO)
+    assert dialer.receive(Challenge(KEY, b"n" * 32)) == HELLO
+    assert not dialer.established
+    for frame in (Welcome("relay-0", "eu", 0), Recv(KEY, MESSAGE), Recv(KEY, MESSAGE + b"2")):
+        assert dialer.receive(frame) is None
+    assert dialer.established and dialer.welcome == Welcome("relay-0", "eu", 0)
+    assert dialer.take_session_frames() == [Recv(KEY, MESSAGE), Recv(KEY, MESSAGE + b"2")]
+    assert dialer.take_session_frames() == []
+
+
+def test_the_dialer_reports_a_refusal_and_frames_out_of_order() -> None:
+    dialer = DialerHandshake(lambda challenge: HELLO)
+    dialer.receive(Challenge(KEY, b"n" * 32))
+    with pytest.raises(HandshakeRefused, match="NotAMember: who are you"):
+        dialer.receive(ErrorFrame("NotAMember", "who are you"))
+    with pytest.raises(FrameError, match="expected a challenge"):
+        DialerHandshake(lambda challenge: HELLO).receive(Welcome("r", "eu", 0))
+
+
+def test_the_acceptor_challenges_first_and_keeps_what_follows_the_hello() -> None:
+    acceptor = AcceptorHandshake(KEY)
+    assert acceptor.challenge.relay_key == KEY and len(acceptor.nonce) == 32
+    assert AcceptorHandshake(KEY).nonce != acceptor.nonce  # fresh every time
+    acceptor.receive(HELLO)
+    acceptor.receive(Send(KEY, MESSAGE))
+    assert acceptor.hello == HELLO and acceptor.take_session_frames() == [Send(KEY, MESSAGE)]
+    mesh = AcceptorHandshake(KEY)
+    mesh.receive(MeshHello("relay-1", b"p" * 32))
+    assert isinstance(mesh.hello, MeshHello)
+    with pytest.raises(FrameError, match="expected hello"):
+        AcceptorHandshake(KEY).receive(Send(KEY, MESSAGE))
+
+
+async def test_welcome_and_a_forwarded_frame_in_one_read_both_arrive() -> None:
+    """The race of issue 9 (3): a relay writes Welcome and the first Recv in one segment."""
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(encode(Challenge(KEY, b"n" * 32)))
+        await reader.read(1000)  # the hello
+        writer.write(encode(Welcome("relay-0", "eu", 0)) + encode(Recv(KEY, MESSAGE)))
+        await writer.drain()
+        await reader.read(1000)
+        writer.close()
+
+    server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    async with server:
+        reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+        conn = Connection(reader, writer)
+        welcome = await conn.dial(lambda challenge: HELLO)
+        assert welcome.relay == "relay-0"
+        assert await conn.read_frames() == [Recv(KEY, MESSAGE)]
+        conn.close()
+
+
+async def test_writes_to_a_closed_connection_report_it_instead_of_raising() -> None:
+    async def peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.transport.abort()
+
+    server = await asyncio.start_server(peer, "127.0.0.1", 0)
+    async with server:
+        reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+        conn = Connection(reader, writer)
+        writer.transport.abort()
+        assert conn.send_nowait(Recv(KEY, MESSAGE)) is False
+        assert (await conn.send(Recv(KEY, MESSAGE))) is False
+        assert conn.offer(Recv(KEY, MESSAGE), 1 << 20).value == "destination_closed"
