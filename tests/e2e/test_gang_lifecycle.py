@@ -40,9 +40,9 @@ from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.jobs import ConditionType, Job, Phase
 from libs.contracts.lifecycle import LaunchReply, LaunchRequest, ProbeServeReply, ProbeServeRequest
 from libs.contracts.relay import Member, RelayRecord, UsageRecord
+from libs.relayproto.client import RelayClient
 from libs.wg import generate_private_key, key_from_base64, key_to_base64, public_key
 from services.agent.agent import JoinedReply
-from libs.relayproto.client import RelayClient
 from services.placer.config import DEFAULT_CONFIG
 from services.prober.schedule import rounds
 from tests.factories import job

@@ -201,9 +201,7 @@ def test_resends_without_progress_back_off() -> None:
     assert a.stats["retransmits"] == 2
 
 
-def test_the_link_keeps_at_most_its_in_flight_cap_unacknowledged_and_wakes_streams_on_ack() -> (
-    None
-):
+def test_the_link_keeps_at_most_its_in_flight_cap_unacknowledged_and_wakes_streams_on_ack() -> None:
     a, b = Link(0, window=1 << 20, max_inflight=64 * 1024), Link(1, window=1 << 20)
     streams = [a.open_stream(80 + i) for i in range(3)]
     for payload in a.outgoing():
