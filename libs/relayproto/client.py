@@ -51,6 +51,7 @@ class RelayClient:
         wg_public: bytes,
         on_message: Callable[[bytes, bytes], None],
         on_presence: Callable[[RelayClient], None] | None = None,
+        on_batch_end: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
         self.address = address
@@ -58,6 +59,7 @@ class RelayClient:
         self._private, self._public = wg_private, wg_public
         self.on_message = on_message
         self.on_presence = on_presence
+        self.on_batch_end = on_batch_end  # after the messages of one read: write them out
         self.conn: Connection | None = None
         self.region = ""
         self.rate_bps = 0
@@ -130,6 +132,8 @@ class RelayClient:
                         self.ended = f"relay said {frame.code}: {frame.message}"
                         log.warning("relay %s: %s: %s", self.name, frame.code, frame.message)
                         conn.close()
+                if self.on_batch_end is not None:
+                    self.on_batch_end()
             self.ended = self.ended or "closed"
         except (ConnectionError, OSError) as error:
             self.ended = f"connection ended: {error}"
@@ -164,6 +168,11 @@ class RelayClient:
         link resends what the peer did not acknowledge)."""
         conn = self.conn
         return conn is not None and conn.send_nowait(encode(Send(dst, message)))
+
+    def send_many(self, messages: list[tuple[bytes, bytes]]) -> bool:
+        """Queue several WireGuard messages in one write (one system call, not one each)."""
+        conn = self.conn
+        return conn is not None and conn.send_all([encode(Send(d, m)) for d, m in messages])
 
     def backlog(self) -> int:
         conn = self.conn

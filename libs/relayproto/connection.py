@@ -62,6 +62,18 @@ class Connection:
             return False
         return True
 
+    def send_all(self, encoded: list[bytes]) -> bool:
+        """Queue encoded frames in one write; False when the connection is gone."""
+        if self.closed or self.writer.transport.is_closing():
+            self.closed = True
+            return False
+        try:
+            self.writer.writelines(encoded)
+        except (RuntimeError, OSError):
+            self.closed = True
+            return False
+        return True
+
     def offer(self, frame: Frame, limit: int) -> Offered:
         """Queue a frame unless `limit` bytes are already waiting for this peer."""
         if self.closed or self.writer.transport.is_closing():

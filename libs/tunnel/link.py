@@ -88,7 +88,7 @@ class Link:
         side: int,
         window: int = 4 << 20,
         max_payload: int = 60 * 1024,
-        chunk: int = 32 * 1024,
+        chunk: int = 60 * 1024 - HEADER.size,  # one DATA message fills a WireGuard payload
         rto: float = 2.0,
         max_inflight: int = 16 << 20,
     ) -> None:

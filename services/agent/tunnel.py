@@ -53,7 +53,7 @@ LINK_ERRORS = Counter(
 )
 
 HIGH_WATER = 2 << 20  # bytes queued to the relay before local reads pause
-READ_SIZE = 64 * 1024
+READ_SIZE = 256 * 1024
 TICK = 0.02
 NOT_ALLOWED, TTL_EXPIRED = 2, 6  # SOCKS5 reply codes of our own
 # Fail fast (a caller's own connect timeout must hold): how long a connect waits for...
@@ -91,6 +91,7 @@ class Bridge:
     credit: asyncio.Event = field(default_factory=asyncio.Event)
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # both directions closed
     early: list[bytes] = field(default_factory=list)  # arrived before the socket was attached
+    outbox: list[bytes] = field(default_factory=list)  # delivered, written at the batch's end
     written: int = 0  # delivered bytes written to the socket, not yet granted back
     draining: bool = False
     task: asyncio.Task[None] | None = None
@@ -124,6 +125,7 @@ class Tunnel:
                 device.public_key,
                 self._on_message,
                 self._on_presence,
+                self._write_out,
             )
             for name, addr in relays
         ]
@@ -132,6 +134,7 @@ class Tunnel:
         self._writable.set()
         self._reachability = asyncio.Event()  # pulsed when a relay or a peer comes or goes
         self._flush_scheduled = False
+        self._touched: dict[tuple[bytes, int], Bridge] = {}  # bridges with an outbox to write
         self._tasks: list[asyncio.Task[None]] = []
         self._held: set[asyncio.Task[None]] = set()
         self._relay_tasks: dict[str, asyncio.Task[None]] = {}
@@ -255,11 +258,12 @@ class Tunnel:
         self._flush_scheduled = False
         home = self.home
         now = time.monotonic()
+        wire: list[tuple[bytes, bytes]] = []
         for peer in self.peers_by_key.values():
             for payload in peer.link.outgoing():
-                for dst, message in self.device.send(peer.key, payload, now):
-                    if home is not None:
-                        home.send_now(dst, message)
+                wire += self.device.send(peer.key, payload, now)
+        if home is not None and wire:
+            home.send_many(wire)  # one write for the lot
         if home is not None and home.backlog() > HIGH_WATER and self._writable.is_set():
             self._writable.clear()
             self._background(self._drain(home))
@@ -325,7 +329,8 @@ class Tunnel:
                 # wired up: hold the bytes (at most the stream's credit window) until it is.
                 bridge.early.append(event.data)
                 return
-            self._write(bridge, event.data)
+            bridge.outbox.append(event.data)
+            self._touched[key] = bridge
         elif isinstance(event, CreditAvailable):
             if bridge is not None:
                 bridge.credit.set()
@@ -338,6 +343,7 @@ class Tunnel:
                 bridge.opened.set_result(0 if event.ok else event.code)
         elif isinstance(event, Closed):
             if bridge is not None and bridge.writer is not None:
+                self._write_bridge(bridge)
                 self._write_eof(bridge)
             self._forget_if_done(peer, event.stream)
         elif isinstance(event, Reset):
@@ -349,18 +355,33 @@ class Tunnel:
                     STREAM_RESETS.labels(self.node, "peer").inc()
         self._streams_gauge.set(len(self.bridges))
 
-    def _write(self, bridge: Bridge, data: bytes) -> None:
+    def _write_out(self) -> None:
+        """The end of one read from a relay: what it delivered goes to the local sockets, one
+        write per stream."""
+        touched, self._touched = self._touched, {}
+        for key, bridge in touched.items():
+            if self.bridges.get(key) is bridge:
+                self._write_bridge(bridge)
+
+    def _write_bridge(self, bridge: Bridge) -> None:
+        outbox = bridge.outbox
+        if not outbox:
+            return
+        bridge.outbox = []
         writer = bridge.writer
         assert writer is not None
         if writer.transport.is_closing():
             self.reset_stream(bridge, "local_closed")
             return
         try:
-            writer.write(data)
+            if len(outbox) == 1:
+                writer.write(outbox[0])
+            else:
+                writer.writelines(outbox)
         except (RuntimeError, OSError):  # closed between the check and the write
             self.reset_stream(bridge, "local_write_failed")
             return
-        bridge.written += len(data)
+        bridge.written += sum(len(data) for data in outbox)
         self._grant(bridge)
 
     def _write_eof(self, bridge: Bridge) -> None:
@@ -501,9 +522,8 @@ class Tunnel:
         arrives (see _on_event)."""
         bridge.reader, bridge.writer = reader, writer
         bridge.task = asyncio.current_task()
-        for data in bridge.early:
-            self._write(bridge, data)
-        bridge.early.clear()
+        bridge.outbox, bridge.early = bridge.early, []
+        self._write_bridge(bridge)
         peer, stream = bridge.peer, bridge.stream
         link = peer.link
         try:

@@ -180,6 +180,8 @@ class Journal:
         SLOT_HEAD.pack_into(self._map, self._offset(slot.index), 0, 0)
 
     def close(self) -> None:
+        if self._map.closed:
+            return
         self._map.flush()
         self._map.close()
         if self._fd is not None:
