@@ -415,8 +415,7 @@ class Relay:
                 )
                 self._mesh_reachability_changed(peer.name)
                 log.info("mesh link to %s (%s) up", peer.name, peer.address)
-                while not conn.closed:
-                    await conn.read_frames()  # only Pongs come back; EOF means the peer is gone
+                await self._mesh_keepalive(conn)  # only Pongs come back; EOF: the peer is gone
             except asyncio.CancelledError:
                 raise
             except HandshakeRefused as refused:
@@ -434,6 +433,29 @@ class Relay:
                 if was_up:
                     self._mesh_reachability_changed(peer.name)
             await asyncio.sleep(0.5)
+
+    async def _mesh_keepalive(self, conn: Connection) -> None:
+        """Ping the peer relay every second; one silent for DEAD_AFTER is gone (hung or
+        paused), and the link is dropped so its members' presence is withdrawn."""
+        loop = asyncio.get_running_loop()
+        heard = loop.time()
+
+        async def ping() -> None:
+            while not conn.closed:
+                await asyncio.sleep(1.0)
+                if loop.time() - heard > DEAD_AFTER:
+                    log.warning("mesh peer silent for %.1f s: dropping the link", DEAD_AFTER)
+                    conn.abort()
+                    return
+                conn.send_nowait(Ping(os.urandom(8)))
+
+        pinger = loop.create_task(ping())
+        try:
+            while not conn.closed:
+                await conn.read_frames()
+                heard = loop.time()
+        finally:
+            pinger.cancel()
 
     def _mesh_reachability_changed(self, relay: str) -> None:
         """Our link to `relay` came up or went down: its members' reachability changed."""
