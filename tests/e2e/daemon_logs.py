@@ -32,8 +32,20 @@ class Finding:
     text: str  # the line(s) as written, for the failure message
 
     def __str__(self) -> str:
-        text = self.text if len(self.text) <= 2000 else self.text[:2000] + " ..."
-        return f"{self.path.name}:{self.line}: {text}"
+        """One line: where, the level, the message's first line and the exception's last."""
+        try:
+            record = json.loads(self.text)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            message = str(record.get("msg", "")).splitlines() or [""]
+            exc = str(record.get("exc", "")).strip().splitlines()
+            shown = f"[{record.get('level')}] {message[0]}" + (f" | {exc[-1]}" if exc else "")
+        else:
+            lines = self.text.strip().splitlines()
+            shown = lines[0] + (f" ... {lines[-1]}" if len(lines) > 1 else "")
+        shown = shown if len(shown) <= 400 else shown[:400] + " ..."
+        return f"{self.path.name}:{self.line}: {shown}"
 
 
 @dataclass

@@ -42,3 +42,16 @@ def test_the_allow_list_matches_messages(tmp_path: Path) -> None:
     )
     left = disallowed(logs.read_new(), [r"refused: bad proof$"])
     assert [f.message for f in left] == ["disk full"]
+
+
+def test_a_finding_reads_as_one_line(tmp_path: Path) -> None:
+    logs = DaemonLogs()
+    logs.watch(tmp_path)
+    exc = "Traceback (most recent call last):\n  File 'relay.py'\nRuntimeError: handler is closed"
+    (tmp_path / "relay-0.log").write_text(
+        line("error", "Unhandled exception\ntransport: x", exc=exc)
+    )
+    (found,) = logs.read_new()
+    assert str(found) == (
+        "relay-0.log:1: [error] Unhandled exception | RuntimeError: handler is closed"
+    )

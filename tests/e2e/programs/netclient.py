@@ -106,7 +106,11 @@ def errno_name(error: OSError) -> str:
 
 def transfer(host: str, port: int, size: int) -> None:
     started = time.monotonic()
-    sock = socket.create_connection((host, port), timeout=30)
+    try:
+        sock = socket.create_connection((host, port), timeout=30)
+    except OSError as error:
+        emit(mode="transfer", received=0, digestOk=False, connectError=f"{error!r}")
+        return
     sock.settimeout(120)
     receiver = Receiver()
     reading = threading.Thread(target=receiver.run, args=(sock,), daemon=True)
