@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TORCH_STAMP := $(VENV)/.installed-torch
+# Where pip finds torch==2.13.0+cpu when no local wheel has it (pip.conf's find-links does here),
+# e.g. `make test TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
+TORCH_INDEX ?=
 
 .PHONY: demo test test-fast lint bench clean system-deps netshim
 
@@ -15,6 +19,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# PyTorch CPU (torchrun + Gloo) for the end-to-end tests; a separate stamp: `make test-fast`
+# and `make lint` do not need it.
+$(TORCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -e '.[dev,torch]'
+	touch $(TORCH_STAMP)
+
 # The shim (libnodus-netshim.so), nodus-shim-check and the shim's test programs, into
 # netshim/build/ (the placer renders that path into LD_PRELOAD in local runs).
 netshim: system-deps
@@ -23,7 +33,7 @@ netshim: system-deps
 demo: system-deps $(STAMP) netshim
 	$(BIN)/nodus demo
 
-test: system-deps $(STAMP) netshim
+test: system-deps $(STAMP) $(TORCH_STAMP) netshim
 	$(BIN)/pytest -q
 
 test-fast: $(STAMP)

@@ -20,6 +20,9 @@ WANTED=(
   "wireguard-tools:wg"
   # The Relayed-path bench (tests/bench/relay.py): socat as the plain relay baseline.
   "socat:socat"
+  # The real-program end-to-end tests (tests/e2e/test_real_programs.py): Debian's iperf3
+  # through the shim between the members of a Relayed gang.
+  "iperf3:iperf3"
 )
 
 missing=()

@@ -50,7 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--state-dir", type=Path, default=Path(".nodus"), help="default .nodus")
     up.add_argument("--placers", type=int, default=1, help="placer replicas (default 1)")
 
-    sub.add_parser("demo", help="the main job end to end on the embedded fleet, then exit")
+    demo = sub.add_parser("demo", help="the main job end to end on the embedded fleet, then exit")
+    demo.add_argument(
+        "--state-dir",
+        type=Path,
+        help="keep the system's files (logs/ included) here; default: a temporary directory",
+    )
 
     apply = sub.add_parser("apply", help="submit jobs from a YAML file")
     apply.add_argument("-f", "--filename", type=Path, required=True)
@@ -565,4 +570,4 @@ async def _up(args: argparse.Namespace) -> int:
 async def _demo(args: argparse.Namespace) -> int:
     from libs.client.demo import run_demo
 
-    return await run_demo()
+    return await run_demo(args.state_dir)

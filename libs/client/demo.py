@@ -42,24 +42,31 @@ async def _wait_placed(client: Client, job: Job, timeout: float = 30.0) -> Job:
     return await asyncio.wait_for(wait(), timeout)
 
 
-async def run_demo() -> int:
+async def run_demo(state_dir: Path | None = None) -> int:
+    """The demo in a temporary state dir, or in `state_dir` (kept: its logs/, for tests)."""
+    if state_dir is not None:
+        return await _run_demo(state_dir)  # LocalSystem.start creates it
     with tempfile.TemporaryDirectory(prefix="nodus-demo-") as state:
-        system = LocalSystem(
-            state_dir=Path(state), nats_port=free_port(), heartbeat_seconds=1.0, probe_seconds=2.0
-        )
-        say(
-            "== nodus up: nats-server (JetStream), placer, prober, two meshed relays, "
-            "one agent per machine of examples/fleet.yaml"
-        )
-        await system.start()
-        say(f"NODUS_NATS_URL={system.url}")
-        client = await Client.connect(system.url)
-        try:
-            return await _run(client)
-        finally:
-            await client.close()
-            system.stop()
-            say("== stopped everything")
+        return await _run_demo(Path(state))
+
+
+async def _run_demo(state: Path) -> int:
+    system = LocalSystem(
+        state_dir=state, nats_port=free_port(), heartbeat_seconds=1.0, probe_seconds=2.0
+    )
+    say(
+        "== nodus up: nats-server (JetStream), placer, prober, two meshed relays, "
+        "one agent per machine of examples/fleet.yaml"
+    )
+    await system.start()
+    say(f"NODUS_NATS_URL={system.url}")
+    client = await Client.connect(system.url)
+    try:
+        return await _run(client)
+    finally:
+        await client.close()
+        system.stop()
+        say("== stopped everything")
 
 
 async def _run(client: Client) -> int:

@@ -32,6 +32,7 @@ class Child:
     name: str
     process: subprocess.Popen[bytes]
     log: Path
+    args: list[str] = field(default_factory=list)  # after `python -m libs.client`
 
 
 @dataclass
@@ -47,6 +48,10 @@ class LocalSystem:
     extra_env: dict[str, str] = field(default_factory=dict)
     # Extra flags for every relay (benchmarks: `--no-rate-limit`); none by default.
     relay_args: list[str] = field(default_factory=list)
+    # Prometheus /metrics on 127.0.0.1 for every agent and relay (tests read gauges such as
+    # nodus_agent_tunnel_streams); the ports by child name in `metrics_ports`.
+    metrics: bool = False
+    metrics_ports: dict[str, int] = field(default_factory=dict)
     nats: NatsServer | None = None
     children: list[Child] = field(default_factory=list)
     fleet: Fleet | None = None
@@ -59,7 +64,10 @@ class LocalSystem:
     def machine_dir(self, name: str) -> Path:
         return self.state_dir / "machines" / name
 
-    def _spawn(self, name: str, args: list[str]) -> Child:
+    def _spawn(self, name: str, args: list[str], metrics: bool = False) -> Child:
+        if metrics and self.metrics:
+            port = self.metrics_ports.setdefault(name, free_port())
+            args = [*args, "--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
         logs = self.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{name}.log"
@@ -78,9 +86,33 @@ class LocalSystem:
                 cwd=REPO,
                 start_new_session=True,
             )
-        child = Child(name, process, log_path)
+        child = Child(name, process, log_path, args)
         self.children.append(child)
         return child
+
+    def child(self, name: str) -> Child:
+        found = next((c for c in self.children if c.name == name), None)
+        if found is None:
+            raise NodusError(ErrorCode.NOT_FOUND, f"no child {name} in this system")
+        return found
+
+    def restart(self, name: str) -> Child:
+        """Start a child again with the same arguments (a relay a test SIGKILLed, say); one
+        still running is stopped first. Its log continues in the same file."""
+        old = self.child(name)
+        if old.process.poll() is None:
+            old.process.terminate()
+            try:
+                old.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                old.process.kill()
+                old.process.wait()
+        index = self.children.index(old)
+        self.children.remove(old)
+        new = self._spawn(name, old.args)  # the args already hold any --metrics-port
+        self.children.remove(new)
+        self.children.insert(index, new)
+        return new
 
     def start_placer(self, index: int) -> Child:
         args = ["placer", "--replica", f"placer-{index}", "--shim-path", str(SHIM_PATH)]
@@ -116,6 +148,7 @@ class LocalSystem:
                     str((self.state_dir / "relays" / f"relay-{index}.usage").resolve()),
                     *self.relay_args,
                 ],
+                metrics=True,
             )
 
     def start_agent(self, machine: str, socks_port: int) -> Child:
@@ -134,6 +167,7 @@ class LocalSystem:
                 "--socks-listen",
                 f"127.0.0.1:{socks_port}",
             ],
+            metrics=True,
         )
 
     async def start(self, timeout: float = 60.0) -> None:

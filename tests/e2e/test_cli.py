@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from libs.bus.server import free_port
+from tests.e2e.daemon_logs import DaemonLogs
 
 pytestmark = pytest.mark.slow
 
@@ -39,9 +40,10 @@ def nodus(url: str, *args: str, check: bool = True) -> subprocess.CompletedProce
 
 @pytest.fixture(scope="module")
 def system(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, daemon_logs: DaemonLogs
 ) -> Iterator[tuple[str, subprocess.Popen[str], Path]]:
     state = tmp_path_factory.mktemp("state")
+    daemon_logs.watch(state / "logs")
     port = free_port()
     up = subprocess.Popen(
         [NODUS, "up", "--nats-port", str(port), "--state-dir", str(state)],

@@ -8,12 +8,20 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.daemon_logs import DaemonLogs
+
 pytestmark = pytest.mark.slow
 
 
-def test_demo_places_one_gang_per_path_runs_the_workload_and_shows_refusals() -> None:
+def test_demo_places_one_gang_per_path_runs_the_workload_and_shows_refusals(
+    tmp_path: Path, daemon_logs: DaemonLogs
+) -> None:
     nodus = str(Path(sys.executable).parent / "nodus")
-    result = subprocess.run([nodus, "demo"], capture_output=True, text=True, timeout=180)
+    state = tmp_path / "state"
+    daemon_logs.watch(state / "logs")
+    result = subprocess.run(
+        [nodus, "demo", "--state-dir", str(state)], capture_output=True, text=True, timeout=180
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "3 gangs placed (direct, private, relayed)" in out

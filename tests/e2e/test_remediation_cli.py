@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from libs.bus.server import free_port
+from tests.e2e.daemon_logs import DaemonLogs
 
 pytestmark = pytest.mark.slow
 
@@ -61,8 +62,11 @@ def until(check: Callable[[], Any], timeout: float = 60.0) -> Any:
 
 
 @pytest.fixture(scope="module")
-def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def system(
+    tmp_path_factory: pytest.TempPathFactory, daemon_logs: DaemonLogs
+) -> Iterator[tuple[str, Path]]:
     state = tmp_path_factory.mktemp("state")
+    daemon_logs.watch(state / "logs")
     fleet = state / "fleet.yaml"
     fleet.write_text(FLEET)
     up = subprocess.Popen(
