@@ -234,6 +234,11 @@ class Link:
             self._ack_due = True
         return self._ack_due or self._unsent > 0
 
+    def keepalive(self) -> None:
+        """Send an acknowledgement even if nothing arrived: the peer hears from us, so it can
+        tell a live link from a silent one without waiting on a request."""
+        self._ack_due = True
+
     @property
     def unacked(self) -> int:
         return len(self._unacked)

@@ -60,6 +60,8 @@ NOT_ALLOWED, TTL_EXPIRED = 2, 6  # SOCKS5 reply codes of our own
 FAILOVER_WAIT = 1.0  # ...a relay to be home again, or the peer to be reachable through it
 JOIN_GRACE = 5.0  # ...a peer never seen yet (the epoch has just started) to come up
 LIVENESS = 1.0  # ...any word from the peer after the open went out
+KEEPALIVE = 0.25  # every link says something this often, so silence means something...
+SILENT = 1.5  # ...and a peer not heard from for this long is unreachable at once
 OPEN_TIMEOUT = 10.0  # ...the peer's answer (it dials its own address: at once, normally)
 
 
@@ -280,12 +282,17 @@ class Tunnel:
             home.send_now(dst, message)
 
     async def _timers(self) -> None:
-        last_wg = 0.0
+        last_wg = last_keepalive = 0.0
         while True:
             await asyncio.sleep(TICK)
             now = time.monotonic()
             due = False
+            keepalive = now - last_keepalive > KEEPALIVE
+            if keepalive:
+                last_keepalive = now
             for peer in self.peers_by_key.values():
+                if keepalive:
+                    peer.link.keepalive()
                 due |= peer.link.tick(now)
             if now - last_wg > 0.25:
                 last_wg = now
@@ -465,13 +472,17 @@ class Tunnel:
     async def connect(self, address: str, port: int, timeout: float = OPEN_TIMEOUT) -> Bridge:
         """Open a stream to `address:port` on a peer; StreamRefused carries the SOCKS code.
 
-        Answers as soon as the outcome is known: a peer no relay can reach, or one that stays
-        silent after the open went out, is unreachable within about a second; a refusal comes
-        back as the peer's own dial got it."""
+        Answers as soon as the outcome is known: a peer no relay can reach, or that has gone
+        quiet (every link speaks every KEEPALIVE), is unreachable at once, one that stays
+        silent after the open went out within about a second; a refusal comes back as the
+        peer's own dial got it."""
         peer = self.peers_by_address.get(address)
         if peer is None:
             raise StreamRefused(NOT_ALLOWED)  # not a member of this gang epoch
         await self._wait_reachable(peer)
+        if peer.heard and time.monotonic() - peer.heard > SILENT:
+            STREAM_RESETS.labels(self.node, "open_unreachable").inc()
+            raise StreamRefused(HOST_UNREACHABLE)  # present at the relay, but gone quiet
         loop = asyncio.get_running_loop()
         stream = peer.link.open_stream(port)
         opened: asyncio.Future[int] = loop.create_future()
