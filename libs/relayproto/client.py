@@ -101,6 +101,7 @@ class RelayClient:
             raise
         self.region, self.rate_bps = welcome.region, welcome.member_rate_bps
         self.present = set()
+        self.ended = ""
         self.conn = conn
 
     async def run(self) -> None:
@@ -135,8 +136,8 @@ class RelayClient:
                 if self.on_batch_end is not None:
                     self.on_batch_end()
             self.ended = self.ended or "closed"
-        except (ConnectionError, OSError) as error:
-            self.ended = f"connection ended: {error}"
+        except (ConnectionError, OSError) as error:  # the keepalive's reason, if it aborted
+            self.ended = self.ended or f"connection ended: {error}"
         except FrameError as error:
             self.ended = f"malformed frame from the relay: {error}"
         finally:

@@ -137,25 +137,26 @@ class Link:
         self._queue(OPEN_FAIL, stream, bytes((code,)))
 
     def credit(self, stream: int) -> int:
-        """How many bytes `stream` may send now: its credit, within the link's room. A
-        stream held back by the link alone gets CreditAvailable when acknowledgements free
-        room."""
+        """How many bytes `stream` may send now: its credit, while the link has room. The
+        room is a soft cap (one send may overshoot it; it never splits a send), and a stream
+        held back by it alone gets CreditAvailable when acknowledgements free room."""
         state = self.streams.get(stream)
         if state is None or not state.open or state.sent_fin:
             return 0
-        room = self.max_inflight - self._inflight
-        if room <= 0 and state.credit > 0:
+        if self._inflight >= self.max_inflight and state.credit > 0:
             self._blocked.add(stream)
             return 0
-        return min(state.credit, max(room, 0))
+        return state.credit
 
     def send(self, stream: int, data: bytes) -> int:
-        """Queue up to the stream's credit (and the link's room); returns how many bytes
-        were taken."""
-        taken = min(len(data), self.credit(stream))
+        """Queue up to the stream's credit; returns how many bytes were taken (all of them,
+        when `data` is no longer than `credit(stream)` said)."""
+        state = self.streams.get(stream)
+        if state is None or not state.open or state.sent_fin:
+            return 0
+        taken = min(len(data), state.credit)
         if taken <= 0:
             return 0
-        state = self.streams[stream]
         view = memoryview(data)
         for at in range(0, taken, self.chunk):
             self._queue(DATA, stream, bytes(view[at : min(taken, at + self.chunk)]))

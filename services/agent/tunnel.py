@@ -360,6 +360,7 @@ class Tunnel:
                     bridge.opened.set_result(event.code)
                 else:
                     STREAM_RESETS.labels(self.node, "peer").inc()
+                    log.info("stream %d reset by %s (code %d)", event.stream, peer.node, event.code)
         self._streams_gauge.set(len(self.bridges))
 
     def _write_out(self) -> None:
@@ -407,6 +408,7 @@ class Tunnel:
         bridge.peer.link.reset(bridge.stream, code)
         self._drop_bridge(bridge)
         STREAM_RESETS.labels(self.node, reason).inc()
+        log.info("stream %d to %s reset: %s", bridge.stream, bridge.peer.node, reason)
         self._schedule_flush()
 
     def _drop_bridge(self, bridge: Bridge) -> None:
@@ -537,6 +539,7 @@ class Tunnel:
         self._write_bridge(bridge)
         peer, stream = bridge.peer, bridge.stream
         link = peer.link
+        pending = first  # read from the local socket, not yet taken by the link
         try:
             while stream in link.streams:
                 credit = link.credit(stream)
@@ -545,9 +548,10 @@ class Tunnel:
                     if link.credit(stream) <= 0:
                         await bridge.credit.wait()
                     continue
-                if first:
-                    taken = link.send(stream, first)
-                    first = first[taken:]
+                if pending:
+                    # Never dropped: what the link cannot take now waits for credit.
+                    taken = link.send(stream, pending)
+                    pending = pending[taken:]
                     self._schedule_flush()
                     continue
                 await self._writable.wait()
@@ -563,8 +567,7 @@ class Tunnel:
                     link.finish(stream)
                     self._schedule_flush()
                     break
-                link.send(stream, data)
-                self._schedule_flush()
+                pending = data
             # Keep the socket open until the peer finishes its direction too.
             if stream in link.streams:
                 await bridge.finished.wait()
