@@ -527,9 +527,12 @@ class Bench:
         self.client: Client | None = None
         self.system: LocalSystem | None = None
 
-    async def up(self, name: str, gangs: int, relay_args: list[str]) -> list[Gang]:
+    async def up(
+        self, name: str, gangs: int, relay_args: list[str], placer_config: Path | None = None
+    ) -> list[Gang]:
         """A LocalSystem with `gangs` container+VM pairs and one Relayed job per pair; returns
-        once every member's tunnel is up (its agent reports the relay it uses)."""
+        once every member's tunnel is up (its agent reports the relay it uses). `placer_config`:
+        another placer config file (the stock one by default)."""
         machines: list[dict[str, Any]] = []
         plan: list[Gang] = []
         for index in range(gangs):
@@ -551,6 +554,7 @@ class Bench:
             heartbeat_seconds=1.0,
             probe_seconds=PROBE_SAMPLE,
             relay_args=relay_args,
+            placer_config=placer_config,
         )
         _systems.append(system)
         self.system = system

@@ -1,0 +1,48 @@
+"""Running a bench's asyncio main: uvloop when it is there, within the run's time budget, and
+stoppable by SIGTERM the way Ctrl-C stops it: the main task is cancelled, so every `finally`
+of the bench runs (daemons stopped, agents continued, servers closed) before it returns.
+
+A handler that raises from a signal instead lands in whatever callback runs at that moment,
+and asyncio's teardown then cancels every task at once; a bench could go on measuring, or
+leave a process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Coroutine
+from types import FrameType
+from typing import Any
+
+from tests.bench.relay import _loop_factory
+
+
+class Interrupted(Exception):
+    """SIGTERM or Ctrl-C stopped the run before it finished."""
+
+
+def run_main(main: Coroutine[Any, Any, dict[str, Any]], budget: float) -> dict[str, Any]:
+    """Run `main`; raises TimeoutError past `budget` seconds, Interrupted on SIGTERM or
+    Ctrl-C, and whatever `main` raised."""
+
+    async def guarded() -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            return await asyncio.wait_for(main, budget)
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, terminate)
+
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            return runner.run(guarded())
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        raise Interrupted("stopped by SIGTERM or Ctrl-C before the run finished") from None
+
+
+def terminate(signum: int, _: FrameType | None) -> None:
+    """Outside the event loop (setting up, tearing down): SIGTERM as Ctrl-C."""
+    raise KeyboardInterrupt(f"signal {signum}")
