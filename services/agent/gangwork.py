@@ -87,7 +87,14 @@ class GangWork:
         key = (request.gang, request.epoch)
         if key not in self.servers:
             server = ProbeServer(member.address)
-            await server.start()
+            try:
+                await server.start()
+            except OSError as error:  # the probe fails honestly; the agent is fine
+                raise NodusError(
+                    ErrorCode.ADDRESS_UNAVAILABLE,
+                    f"{self.node} cannot listen on its advertised address {member.address}: "
+                    f"{error.strerror or error}",
+                ) from None
             self.servers[key] = server
         return ProbeServeReply(address=member.address, port=self.servers[key].port)
 
