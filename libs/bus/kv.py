@@ -166,7 +166,10 @@ class Bucket(Generic[T]):
                 if caught_up is not None and not caught_up.is_set() and entry.delta == 0:
                     caught_up.set()
         finally:
-            await asyncio.shield(watcher.stop())
+            try:
+                await asyncio.shield(watcher.stop())
+            except nats.errors.ConnectionClosedError:
+                pass  # closing down: the server forgets the watch with the connection
 
     def _decode(self, key: str, data: bytes) -> T:
         try:

@@ -196,10 +196,13 @@ class Tunnel:
                 backoff = 0.2
                 if self.home is None:
                     self._make_home(relay, failover=False)
+                began = time.monotonic()
                 await relay.run()  # returns when the connection ends, whatever ended it
                 log.info("relay %s connection ended: %s", relay.name, relay.ended)
                 if self.home is relay:
                     self._failover(relay)
+                if time.monotonic() - began > 1.0:
+                    continue  # dial again at once (a relay that dropped a paused member, say)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 

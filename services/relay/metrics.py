@@ -10,6 +10,11 @@ BYTES = Counter(
     ["gang", "member", "direction"],
 )
 DROPPED = Counter("nodus_relay_frames_dropped_total", "Frames dropped, by reason", ["reason"])
+DESTINATION_DROPS = Counter(
+    "nodus_relay_destination_drops_total",
+    "Frames for a member that was gone or had stopped reading, dropped instead of waited for",
+    ["gang", "member", "reason"],
+)
 REFUSED = Counter(
     "nodus_relay_sessions_refused_total", "Connections refused, by reason", ["reason"]
 )

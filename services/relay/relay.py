@@ -50,6 +50,7 @@ from services.relay.membership import Identity, Membership
 from services.relay.metrics import (
     BUCKET_WAIT,
     BYTES,
+    DESTINATION_DROPS,
     DROPPED,
     FAILOVERS,
     MESH_LOSSES,
@@ -64,7 +65,7 @@ READ_SIZE = 256 * 1024
 # Bytes queued to one member before what else is meant for it is dropped (counted): far more
 # than the senders' links keep in flight to it (libs.tunnel.Link's in-flight cap), so only a
 # member that stopped reading ever reaches it, and it costs nobody else anything.
-DESTINATION_LIMIT = 64 << 20
+DESTINATION_LIMIT = 32 << 20
 
 
 @dataclass
@@ -310,6 +311,7 @@ class Relay:
                 local.bytes_out.inc(len(message))
             else:
                 DROPPED.labels(offered.value).inc()
+                DESTINATION_DROPS.labels(*local.label, offered.value).inc()
             return None
         if not from_mesh:
             for relay, present in self.remote.items():

@@ -95,7 +95,7 @@ PATTERN = random.Random(20240601).randbytes(PERIOD)
 CHUNKS = [PATTERN[at : at + CHUNK] for at in range(0, PERIOD, CHUNK)]
 FLOW_ID = struct.Struct(">Q")
 READ = 256 << 10
-USAGE_FLUSH = 1.5  # relays publish usage every second (services/relay/billing.py)
+USAGE_FLUSH = 1.5  # relays publish usage every 100 ms; a restarted one, once it is up
 POLL = 0.02  # seconds between `epochs` requests while waiting for a member to move
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PROBE_SAMPLE = 1.0  # seconds of the prober's throughput sample (G10.2) before measuring
@@ -929,6 +929,10 @@ class Bench:
                 await asyncio.sleep(POLL)
             for node in waiting:
                 moved[node] = None
+            # Started again on its usage journal, as its supervisor (systemd, `nodus up`'s
+            # caller) would: it publishes what it metered before the kill (billing.py).
+            assert self.system is not None
+            self.system.restart(victim)
             return {"killed_at": killed, "time_to_move_s": moved, "homes_after": reported}
 
         measure = await self.relayed(
@@ -972,8 +976,10 @@ class Bench:
             **action,
             "delivery": gaps,
             "mbit_s_over_stream": {n: f["mbit_s"] for n, f in measure["flows"].items()},
-            # The killed relay's last second of counts is lost (billing.py); resends add.
+            # The killed relay's counts survive in its usage journal and are published when
+            # it starts again (billing.py); resends through the other relay add.
             "billed_over_delivered": measure["billed_over_delivered"],
+            "killed_relay_restarted": True,
             "others_busy_cores": measure["others_busy_cores"],
             "intact": all_intact(measure),
         }
