@@ -60,11 +60,9 @@ import os
 import platform
 import re
 import resource
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -83,7 +81,7 @@ from tests.bench.relay import (
     cpu_seconds,
     machine_busy,
 )
-from tests.bench.running import Interrupted, run_main, terminate
+from tests.bench.running import run_bench, terminate
 
 # How B's agent is stopped, and whether the placer's heartbeat timeout is raised out of the
 # way (so the epoch outlives the measurement and the figure is the dataplane's own) or stock
@@ -552,25 +550,7 @@ def summary(modes: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     netshim.ensure_built()
-    state = Path(tempfile.mkdtemp(prefix="nodus-bench-connect-"))
-    result: dict[str, Any] = {}
-    started = time.monotonic()
-    try:
-        result = run_main(run_async(args, state), args.budget)
-    except TimeoutError:
-        result = {"error": f"the run did not finish within its budget of {args.budget:g} s"}
-    except Interrupted as stopped:
-        result = {"error": str(stopped)}
-    except Exception as error:
-        result = {"error": f"{type(error).__name__}: {error}"}
-    finally:
-        cleanup()
-    result["elapsed_s"] = round(time.monotonic() - started, 1)
-    if args.keep_state or "error" in result:
-        result["state_dir"] = str(state)
-    else:
-        shutil.rmtree(state, ignore_errors=True)
-    return result
+    return run_bench("nodus-bench-connect-", lambda state: run_async(args, state), args, cleanup)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

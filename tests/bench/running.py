@@ -8,9 +8,14 @@ leave a process behind."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import shutil
 import signal
-from collections.abc import Coroutine
+import tempfile
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -46,3 +51,32 @@ def run_main(main: Coroutine[Any, Any, dict[str, Any]], budget: float) -> dict[s
 def terminate(signum: int, _: FrameType | None) -> None:
     """Outside the event loop (setting up, tearing down): SIGTERM as Ctrl-C."""
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_bench(
+    prefix: str,
+    body: Callable[[Path], Coroutine[Any, Any, dict[str, Any]]],
+    args: argparse.Namespace,
+    cleanup: Callable[[], None],
+) -> dict[str, Any]:
+    """A whole run in a fresh state dir: the result, or {"error": why}; `elapsed_s`; the state
+    dir kept (and named) when asked or when the run failed, else removed; `cleanup` always."""
+    state = Path(tempfile.mkdtemp(prefix=prefix))
+    result: dict[str, Any] = {}
+    started = time.monotonic()
+    try:
+        result = run_main(body(state), args.budget)
+    except TimeoutError:
+        result = {"error": f"the run did not finish within its budget of {args.budget:g} s"}
+    except Interrupted as stopped:
+        result = {"error": str(stopped)}
+    except Exception as error:
+        result = {"error": f"{type(error).__name__}: {error}"}
+    finally:
+        cleanup()
+    result["elapsed_s"] = round(time.monotonic() - started, 1)
+    if args.keep_state or "error" in result:
+        result["state_dir"] = str(state)
+    else:
+        shutil.rmtree(state, ignore_errors=True)
+    return result

@@ -63,10 +63,8 @@ import json
 import logging
 import os
 import platform
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -88,7 +86,7 @@ from libs.relayproto import x25519_public
 from libs.wg.messages import TRANSPORT_HEADER
 from services.relay.relay import Relay
 from tests.bench.relay import _sleep_until, machine_busy, ratio
-from tests.bench.running import Interrupted, run_main, terminate
+from tests.bench.running import run_bench, terminate
 
 if TYPE_CHECKING:
     from libs.relayproto.client import RelayClient
@@ -800,25 +798,7 @@ def cleanup() -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    state = Path(tempfile.mkdtemp(prefix="nodus-bench-slow-"))
-    result: dict[str, Any] = {}
-    started = time.monotonic()
-    try:
-        result = run_main(run_async(args, state), args.budget)
-    except TimeoutError:
-        result = {"error": f"the run did not finish within its budget of {args.budget:g} s"}
-    except Interrupted as stopped:
-        result = {"error": str(stopped)}
-    except Exception as error:
-        result = {"error": f"{type(error).__name__}: {error}"}
-    finally:
-        cleanup()
-    result["elapsed_s"] = round(time.monotonic() - started, 1)
-    if args.keep_state or "error" in result:
-        result["state_dir"] = str(state)
-    else:
-        shutil.rmtree(state, ignore_errors=True)
-    return result
+    return run_bench("nodus-bench-slow-", lambda state: run_async(args, state), args, cleanup)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,6 +28,17 @@ def tunnel_of(gang: Gang, index: int) -> Tunnel:
     return runtime.tunnel
 
 
+def total(family: str) -> float:
+    """Every sample of a counter family, whatever its labels."""
+    return sum(
+        s.value
+        for m in REGISTRY.collect()
+        if m.name == family
+        for s in m.samples
+        if s.name.endswith("_total")
+    )
+
+
 def sample(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
@@ -188,13 +199,7 @@ async def test_every_kind_of_stream_survives_the_relay_carrying_it_crashing(gang
     tunnel = tunnel_of(gang, 0)
     assert tunnel.home is not None
     carrying = next(r for r in gang.relays if r.name == tunnel.home.name)
-    resets_before = sum(
-        s.value
-        for m in REGISTRY.collect()
-        if m.name == "nodus_agent_stream_resets"
-        for s in m.samples
-        if s.name.endswith("_total")
-    )
+    resets_before = total("nodus_agent_stream_resets")
     gaps: list[float] = []
 
     async def upload() -> None:
@@ -246,13 +251,7 @@ async def test_every_kind_of_stream_survives_the_relay_carrying_it_crashing(gang
         "chatter-0.1": "ok",
     }
     assert tunnel.home is not None and tunnel.home.name != carrying.name
-    resets_after = sum(
-        s.value
-        for m in REGISTRY.collect()
-        if m.name == "nodus_agent_stream_resets"
-        for s in m.samples
-        if s.name.endswith("_total")
-    )
+    resets_after = total("nodus_agent_stream_resets")
     assert resets_after == resets_before
     assert max(gaps) < 1.0, f"longest delivery gap {max(gaps):.3f} s"
 

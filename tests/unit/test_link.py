@@ -201,15 +201,20 @@ def test_resends_without_progress_back_off() -> None:
     assert a.stats["retransmits"] == 2
 
 
-def test_the_link_holds_streams_back_at_its_in_flight_cap_and_wakes_them_on_ack() -> None:
-    a, b = Link(0, window=1 << 20, max_inflight=64 * 1024), Link(1, window=1 << 20)
-    streams = [a.open_stream(80 + i) for i in range(3)]
+def accept_all(a: Link, b: Link) -> None:
+    """b accepts every stream a opened; a learns it."""
     for payload in a.outgoing():
         for event in b.receive(payload):
             if isinstance(event, StreamOpened):
                 b.accept(event.stream)
     for payload in b.outgoing():
         a.receive(payload)
+
+
+def test_the_link_holds_streams_back_at_its_in_flight_cap_and_wakes_them_on_ack() -> None:
+    a, b = Link(0, window=1 << 20, max_inflight=64 * 1024), Link(1, window=1 << 20)
+    streams = [a.open_stream(80 + i) for i in range(3)]
+    accept_all(a, b)
     # Three streams, each with a megabyte of credit, share 64 KiB of room on the link: the
     # first send may overshoot it (a send is never split), then nobody sends until acks.
     taken = [a.send(s, b"x" * 100_000) if a.credit(s) else 0 for s in streams]
@@ -231,12 +236,7 @@ def test_a_send_the_stream_had_credit_for_is_taken_whole_even_if_others_filled_t
     TEST_END on its control connection)."""
     a, b = Link(0, window=1 << 20, max_inflight=64 * 1024), Link(1, window=1 << 20)
     bulk, control = a.open_stream(5201), a.open_stream(5201)
-    for payload in a.outgoing():
-        for event in b.receive(payload):
-            if isinstance(event, StreamOpened):
-                b.accept(event.stream)
-    for payload in b.outgoing():
-        a.receive(payload)
+    accept_all(a, b)
     allowed = a.credit(control)
     assert allowed > 0
     a.send(bulk, b"x" * (1 << 20))  # fills the link while the control stream reads
