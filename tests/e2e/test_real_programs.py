@@ -170,6 +170,10 @@ def test_a_iperf3_through_the_shim_gets_the_member_share(
 ) -> None:
     report = iperf3(lab, tmp_path, *args, seconds=IPERF_SECONDS)
     measured = goodputs(report, *args)
+    print(
+        f"iperf3 {' '.join(args)}: "
+        + ", ".join(f"{k} {v / 1e9:.3f} Gbit/s" for k, v in measured.items())
+    )
     low, high = GOODPUT
     for direction, bps in measured.items():
         assert low <= bps <= high, (
@@ -228,6 +232,7 @@ def test_b1_iperf3_survives_the_busy_relay_being_killed(lab: Lab, tmp_path: Path
         f"{report.get('error')!r}; logs in {lab.system.state_dir / 'logs'}"
     )
     assert moved is not None and moved != killed, f"rank 0's tunnel on {moved} after {killed} died"
+    print(f"iperf3 -P 2: {killed} killed after {seconds / 2:g}s, tunnel moved to {moved}, exit 0")
 
 
 class TransferServer:
@@ -314,6 +319,7 @@ def transfer_with_a_kill(lab: Lab, round_: int) -> dict[str, Any]:
 
 
 def test_b2_byte_exact_transfers_survive_twenty_relay_kills_in_a_row(lab: Lab) -> None:
+    gaps_seen: list[float] = []
     for round_ in range(KILLS):
         result = transfer_with_a_kill(lab, round_)
         client, server = result["client"], result["server"]
@@ -331,6 +337,12 @@ def test_b2_byte_exact_transfers_survive_twenty_relay_kills_in_a_row(lab: Lab) -
             f"kill {round_ + 1} of {KILLS}: {'; '.join(problems)}: {result}; "
             f"logs in {lab.system.state_dir / 'logs'}"
         )
+        gaps_seen.append(max(gaps))
+    print(
+        f"{KILLS} kills, {TRANSFER >> 20} MiB each way each time, intact; longest interval "
+        f"without delivery per kill: max {max(gaps_seen):.3f}s, median "
+        f"{sorted(gaps_seen)[len(gaps_seen) // 2]:.3f}s"
+    )
     wait_streams_closed(lab)
 
 
@@ -452,6 +464,7 @@ def test_c_aborts_resets_and_half_closes_leave_the_tunnel_clean(
         code, took = curl(lab, url, tmp_path / "partial.bin", max_time)
         assert code == 28, f"curl --max-time {max_time:g} exited {code} (28: aborted in time)"
         assert took < max_time + 1.0, f"curl --max-time {max_time:g} took {took:.2f}s"
+        print(f"curl --max-time {max_time:g}: aborted (28) after {took:.2f}s")
 
     with PeerServer(host, chatter) as server:
         for _ in range(3):
@@ -488,6 +501,7 @@ def test_c_aborts_resets_and_half_closes_leave_the_tunnel_clean(
     assert took < 5.0, f"the fresh 48 MiB download took {took:.2f}s"
     got = hashlib.sha256(fresh.read_bytes()).hexdigest()
     assert got == digest, "the fresh 48 MiB download arrived corrupted"
+    print(f"fresh 48 MiB download intact in {took:.2f}s")
     wait_streams_closed(lab)
 
 
@@ -518,6 +532,10 @@ def test_d_a_thousand_short_connections_leak_nothing(lab: Lab) -> None:
         )
     wait_streams_closed(lab)
     after = {m.node: lab.agent_fds(m.node) for m in lab.members}
+    print(
+        f"{CONNECTIONS} connections in {result['seconds']}s (slowest {result['slowest']}s); "
+        f"agents' fds before {before}, after {after}"
+    )
     for node in before:
         assert after[node] <= before[node] + FD_SLACK, (
             f"agent {node}: {before[node]} fds before {CONNECTIONS} connections, {after[node]} after"
@@ -563,3 +581,4 @@ def test_e_a_connect_to_a_member_whose_agent_is_stopped_fails_fast(lab: Lab) -> 
             f"connect to {lab.server.node} with its agent stopped: {report} "
             f"(wanted EHOSTUNREACH within 1 s)"
         )
+        print(f"connect with the peer's agent stopped: {report['outcome']} in {report['seconds']}s")

@@ -112,5 +112,6 @@ def test_f_torchrun_gloo_allreduce_survives_a_relay_kill_and_succeeds(tmp_path: 
             assert final and final[-1]["verified"] and final[-1]["iterations"] == ITERATIONS, (
                 f"rank {rank} did not verify {ITERATIONS} all-reduces: {text[-3000:]}"
             )
+            print(f"rank {rank}: {final[-1]} ({killed} killed after iteration {middle})")
     finally:
         system.stop()
