@@ -59,7 +59,7 @@ NOT_ALLOWED, TTL_EXPIRED = 2, 6  # SOCKS5 reply codes of our own
 # Fail fast (a caller's own connect timeout must hold): how long a connect waits for...
 FAILOVER_WAIT = 1.0  # ...a relay to be home again, or the peer to be reachable through it
 JOIN_GRACE = 5.0  # ...a peer never seen yet (the epoch has just started) to come up
-LIVENESS = 1.0  # ...any word from the peer after the open went out
+LIVENESS = 0.75  # ...any word from the peer after the open went out (3 keepalives)
 KEEPALIVE = 0.25  # every link says something this often, so silence means something...
 SILENT = 1.5  # ...and a peer not heard from for this long is unreachable at once
 OPEN_TIMEOUT = 10.0  # ...the peer's answer (it dials its own address: at once, normally)
