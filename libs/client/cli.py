@@ -561,6 +561,8 @@ async def _up(args: argparse.Namespace) -> int:
             try:
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
             except TimeoutError:
+                for name, code in system.restart_exited_relays():
+                    print(f"# {name} exited ({code}); started it again", file=sys.stderr)
                 system._check_children()
     finally:
         system.stop()

@@ -114,6 +114,18 @@ class LocalSystem:
         self.children.insert(index, new)
         return new
 
+    def restart_exited_relays(self) -> list[tuple[str, int]]:
+        """Relays are restarted when they exit, as systemd's Restart= would: members have
+        already moved to the other relay, and a relay's usage journal carries what it metered
+        into its next life. Returns (name, exit code) of each one started again."""
+        restarted = []
+        for child in list(self.children):
+            code = child.process.poll()
+            if code is not None and child.name.startswith("relay-"):
+                self.restart(child.name)
+                restarted.append((child.name, code))
+        return restarted
+
     def start_placer(self, index: int) -> Child:
         args = ["placer", "--replica", f"placer-{index}", "--shim-path", str(SHIM_PATH)]
         if self.placer_config:

@@ -155,6 +155,29 @@ def test_a_refused_apply_exits_non_zero_with_the_reason(
     assert json.loads(nodus(url, "get", "jobs", "-o", "json").stdout) == []
 
 
+def relay_pid(state: Path, name: str) -> int | None:
+    """The pid of this system's relay `name` (its usage journal is in this state dir)."""
+    journal = (state / "relays" / f"{name}.usage").resolve()
+    found = subprocess.run(
+        ["pgrep", "-f", f"relay --name {name} .*{journal}"], capture_output=True, text=True
+    )
+    pids = [int(p) for p in found.stdout.split()]
+    return pids[0] if pids else None
+
+
+def test_a_relay_that_dies_is_started_again(
+    system: tuple[str, subprocess.Popen[str], Path],
+) -> None:
+    """`nodus up` keeps its relays as systemd's Restart= would: a killed relay comes back on
+    the same address and journal, and the rest of the system never notices."""
+    _, up, state = system
+    before = relay_pid(state, "relay-0")
+    assert before is not None
+    os.kill(before, signal.SIGKILL)
+    wait_for(lambda: relay_pid(state, "relay-0") not in (None, before), timeout=20)
+    assert up.poll() is None
+
+
 def test_ctrl_c_stops_everything(system: tuple[str, subprocess.Popen[str], Path]) -> None:
     url, up, state = system
     up.send_signal(signal.SIGINT)
