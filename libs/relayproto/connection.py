@@ -74,6 +74,15 @@ class Connection:
             return False
         return True
 
+    def offer_all(self, encoded: list[bytes], limit: int) -> Offered:
+        """`offer` for several encoded frames at once, in one write."""
+        if self.closed or self.writer.transport.is_closing():
+            self.closed = True
+            return Offered.CLOSED
+        if self.writer.transport.get_write_buffer_size() > limit:
+            return Offered.FULL
+        return Offered.SENT if self.send_all(encoded) else Offered.CLOSED
+
     def offer(self, frame: Frame, limit: int) -> Offered:
         """Queue a frame unless `limit` bytes are already waiting for this peer."""
         if self.closed or self.writer.transport.is_closing():

@@ -8,7 +8,7 @@ import asyncio
 import hmac
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from libs.relayproto import (
     Recv,
     Send,
     Welcome,
+    encode,
     member_proof,
     mesh_proof,
     wireguard_type,
@@ -78,6 +79,9 @@ class MemberSession:
     # The session's own counter child: no label lookup per forwarded frame (the hot path).
     bytes_out: Any = None
     heard: float = 0.0  # loop time of the last frame from the member
+    # Frames routed to this member during the read being handled, written at its end.
+    outbox: list[bytes] = field(default_factory=list)
+    outbox_bytes: int = 0
 
     def __post_init__(self) -> None:
         self.bytes_out = BYTES.labels(self.identity.gang, self.identity.node, "out")
@@ -125,6 +129,7 @@ class Relay:
         self.server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._handlers: set[asyncio.Task[None]] = set()
+        self._touched: list[MemberSession] = []  # sessions with an outbox to write
 
     @property
     def address(self) -> str:
@@ -266,23 +271,10 @@ class Relay:
                 DROPPED.labels("malformed").inc()
                 return
             session.heard = loop.time()
+            sends: list[Send] = []
             for frame in frames:
                 if isinstance(frame, Send):
-                    size = len(frame.message)
-                    delay = await session.bucket.take(size)  # pauses reads: TCP backpressure
-                    if delay:
-                        waited.inc(delay)
-                    if self.membership.identity(session.key) is None:
-                        DROPPED.labels("fenced").inc()
-                        conn.close()
-                        return
-                    sent.inc(size)
-                    self.meter.add(identity.gang, identity.epoch, identity.node, size)
-                    mesh = self._route(session.key, frame.dst, frame.message)
-                    if mesh is not None:
-                        # Onto the shared mesh link: the sender waits while it is full (its own
-                        # backpressure), never a destination behind it.
-                        await mesh.send(Forward(session.key, frame.dst, frame.message))
+                    sends.append(frame)
                 elif isinstance(frame, Ping):
                     conn.send_nowait(Pong(frame.data))
                 elif isinstance(frame, Home):
@@ -292,6 +284,28 @@ class Relay:
                     pass
                 else:
                     DROPPED.labels("unexpected_frame").inc()
+            if not sends:
+                continue
+            size = sum(len(frame.message) for frame in sends)
+            delay = await session.bucket.take(size)  # pauses reads: TCP backpressure
+            if delay:
+                waited.inc(delay)
+            if self.membership.identity(session.key) is None:
+                DROPPED.labels("fenced").inc()
+                conn.close()
+                return
+            sent.inc(size)
+            self.meter.add(identity.gang, identity.epoch, identity.node, size)
+            forwards = []
+            for frame in sends:
+                mesh = self._route(session.key, frame.dst, frame.message)
+                if mesh is not None:
+                    forwards.append((mesh, Forward(session.key, frame.dst, frame.message)))
+            self._write_out()
+            for mesh, forward in forwards:
+                # Onto the shared mesh link: the sender waits while it is full (its own
+                # backpressure), never a destination behind it.
+                await mesh.send(forward)
 
     def _route(
         self, src: bytes, dst: bytes, message: bytes, from_mesh: bool = False
@@ -306,12 +320,9 @@ class Relay:
             return None
         local = self.sessions.get(dst)
         if local is not None:
-            offered = local.conn.offer(Recv(src, message), DESTINATION_LIMIT)
-            if offered is Offered.SENT:
-                local.bytes_out.inc(len(message))
-            else:
-                DROPPED.labels(offered.value).inc()
-                DESTINATION_DROPS.labels(*local.label, offered.value).inc()
+            local.outbox.append(encode(Recv(src, message)))
+            local.outbox_bytes += len(message)
+            self._touched.append(local)
             return None
         if not from_mesh:
             for relay, present in self.remote.items():
@@ -321,6 +332,22 @@ class Relay:
                         return peer.conn
         DROPPED.labels("no_route").inc()
         return None
+
+    def _write_out(self) -> None:
+        """What one read routed to members homed here, one write per member, never waiting:
+        a member that is gone or whose queue is full loses these frames (counted)."""
+        touched, self._touched = self._touched, []
+        for local in touched:
+            if not local.outbox:
+                continue
+            frames, size = local.outbox, local.outbox_bytes
+            local.outbox, local.outbox_bytes = [], 0
+            offered = local.conn.offer_all(frames, DESTINATION_LIMIT)
+            if offered is Offered.SENT:
+                local.bytes_out.inc(size)
+            else:
+                DROPPED.labels(offered.value).inc(len(frames))
+                DESTINATION_DROPS.labels(*local.label, offered.value).inc(len(frames))
 
     def _link_to(self, relay: str) -> MeshPeer | None:
         for peer in self.peers.values():
@@ -490,6 +517,7 @@ class Relay:
                 for frame in frames:
                     if isinstance(frame, Forward):
                         self._route(frame.src, frame.dst, frame.message, from_mesh=True)
+                        continue
                     elif isinstance(frame, PresenceDump):
                         before = dict(present)
                         present.clear()
@@ -509,7 +537,9 @@ class Relay:
                         conn.send_nowait(Pong(frame.data))
                     else:
                         DROPPED.labels("unexpected_frame").inc()
+                self._write_out()
         finally:
+            self._write_out()
             if self.remote.get(hello.name) is present:
                 del self.remote[hello.name]
                 for key, where in present.items():
