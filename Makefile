@@ -40,8 +40,8 @@ test-fast: $(STAMP)
 	$(BIN)/pytest -q -m 'not slow'
 
 lint: $(STAMP)
-	$(BIN)/ruff check libs services tests
-	$(BIN)/ruff format --check libs services tests
+	$(BIN)/ruff check app libs services tests
+	$(BIN)/ruff format --check app libs services tests
 	$(BIN)/mypy
 
 bench: $(STAMP)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from datetime import datetime
+from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
+import yaml
 
-from libs.contracts.base import Name, Record
+from libs.contracts.base import Name, Record, convert
+from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.jobs import Backend
 
 Offering = Literal["vm", "container"]
@@ -97,3 +100,30 @@ class NodeHealth(Record):
     heartbeat_time: datetime
     boot_id: str = ""
     reasons: list[str] = []
+
+
+def load_fleet(path: Path) -> Fleet:
+    """Parse a fleet file; every error names the file and the field (S3)."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise NodusError(ErrorCode.INVALID, f"fleet {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise NodusError(ErrorCode.INVALID, f"fleet {path}: not valid YAML: {error}") from None
+    try:
+        fleet = convert(raw, Fleet)
+    except msgspec.ValidationError as error:
+        raise NodusError(ErrorCode.INVALID, f"fleet {path}: {error}") from None
+    seen: set[str] = set()
+    for machine in fleet.machines:
+        if machine.name in seen:
+            raise NodusError(
+                ErrorCode.INVALID, f"fleet {path}: machine {machine.name} listed twice"
+            )
+        seen.add(machine.name)
+        if bool(machine.private_network) != bool(machine.private_address):
+            raise NodusError(
+                ErrorCode.INVALID,
+                f"fleet {path}: machine {machine.name}: privateNetwork and privateAddress go together",
+            )
+    return fleet

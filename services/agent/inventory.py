@@ -5,15 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import msgspec
-import yaml
-
-from libs.contracts.base import convert
-from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import (
     AcceleratorDevice,
     Accelerators,
-    Fleet,
     Inventory,
     Machine,
 )
@@ -21,33 +15,6 @@ from libs.contracts.fleet import (
 AGENT_VERSION = "0.1.0"
 # What this agent implements; the placer refuses plans needing more (C6).
 BASE_CAPABILITIES = ["register", "heartbeat", "join-epoch"]
-
-
-def load_fleet(path: Path) -> Fleet:
-    """Parse a fleet file; every error names the file and the field (S3)."""
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise NodusError(ErrorCode.INVALID, f"fleet {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise NodusError(ErrorCode.INVALID, f"fleet {path}: not valid YAML: {error}") from None
-    try:
-        fleet = convert(raw, Fleet)
-    except msgspec.ValidationError as error:
-        raise NodusError(ErrorCode.INVALID, f"fleet {path}: {error}") from None
-    seen: set[str] = set()
-    for machine in fleet.machines:
-        if machine.name in seen:
-            raise NodusError(
-                ErrorCode.INVALID, f"fleet {path}: machine {machine.name} listed twice"
-            )
-        seen.add(machine.name)
-        if bool(machine.private_network) != bool(machine.private_address):
-            raise NodusError(
-                ErrorCode.INVALID,
-                f"fleet {path}: machine {machine.name}: privateNetwork and privateAddress go together",
-            )
-    return fleet
 
 
 def network_namespace() -> str:

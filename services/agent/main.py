@@ -10,9 +10,9 @@ from pathlib import Path
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.fleet import load_fleet
 from libs.runtime import add_common_flags, run_daemon
 from services.agent.agent import Agent
-from services.agent.inventory import load_fleet
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:

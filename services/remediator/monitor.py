@@ -229,7 +229,7 @@ def machines_of(args: argparse.Namespace) -> tuple[dict[str, MachinePaths], dict
         }, {}
     if args.state_dir is None:
         raise ValueError("give --state-dir (a local fleet) or --node (one machine)")
-    from services.agent.inventory import load_fleet
+    from libs.contracts.fleet import load_fleet
 
     fleet = load_fleet(args.fleet)
     machines: dict[str, MachinePaths] = {}

@@ -70,8 +70,8 @@ from typing import Any
 
 import yaml
 
+from app.local import LocalSystem
 from libs import netshim
-from libs.client.local import LocalSystem
 from services.placer.config import DEFAULT_CONFIG, load_config
 from tests.bench import relay
 from tests.bench.relay import (

@@ -51,10 +51,10 @@ from typing import Any
 
 import yaml
 
+from app.local import REPO, LocalSystem
 from libs.bus import Bus
 from libs.bus.server import free_port
 from libs.client.client import Client
-from libs.client.local import REPO, LocalSystem
 from libs.contracts import names
 from libs.contracts.bounds import derive
 from libs.contracts.epochs import Lease

@@ -4,7 +4,7 @@
     .venv/bin/python -m tests.bench.placement --quick    # 1,000 machines, 100 jobs (smoke)
 
 What runs: a real nats-server with JetStream; the placer as its own process
-(`python -m libs.client placer`, the daemon users run); this process as the load generator.
+(`python -m app placer`, the daemon users run); this process as the load generator.
 The generated fleet is registered the way agents do it (a NodeRecord in `nodus-nodes`, a
 NodeHealth in `nodus-health`) before the placer starts, so the placer's start measures the
 load of the whole view. Then every job is applied at once (several client connections) while
@@ -665,7 +665,7 @@ async def _run(
             "--metrics-port": str(metrics_port),
             "--log-format": "json",
         }
-        placer_args = ["-m", "libs.client", "placer", *(x for kv in flags.items() for x in kv)]
+        placer_args = ["-m", "app", "placer", *(x for kv in flags.items() for x in kv)]
         if opts.profile_placer:
             placer_args = ["-m", "cProfile", "-o", str(opts.profile_placer), *placer_args]
         placer = Child("placer", [sys.executable, *placer_args], workdir / "placer.log")

@@ -78,9 +78,9 @@ from typing import Any
 
 import yaml
 
+from app.local import LocalSystem
 from libs.bus.server import free_port
 from libs.client.client import Client
-from libs.client.local import LocalSystem
 from libs.contracts import names
 from libs.contracts.api import NodeInfoRequest
 from libs.contracts.bounds import derive

@@ -5,7 +5,7 @@ handled per second, on a generated fleet, against the bus round trip of the same
     .venv/bin/python -m tests.bench.remediation --quick    # 1,000 nodes (smoke)
 
 What runs: a real nats-server with JetStream; the remediator as its own process
-(`python -m libs.client remediator`, the daemon users run) with a persistence window of 0, so a
+(`python -m app remediator`, the daemon users run) with a persistence window of 0, so a
 signal becomes a recommendation as soon as it is decided; this process as the fleet's detectors.
 The fleet is registered the way agents do it (NodeRecord + NodeHealth) before the remediator
 starts. Default policy (approve before repair): every recommendation also becomes a Pending
@@ -222,7 +222,7 @@ def spawn_remediator(
             sys.executable,
             *(("-m", "cProfile", "-o", profile) if profile else ()),
             "-m",
-            "libs.client",
+            "app",
             "remediator",
             "--replica",
             "bench",

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from libs.client.local import LocalSystem
+from app.local import LocalSystem
 from tests.e2e.daemon_logs import DaemonLogs, disallowed, report
 
 MARKER = "daemon_logs_allow"

@@ -26,9 +26,9 @@ from typing import Any, TypeVar
 
 import yaml
 
+from app.local import REPO, Child, LocalSystem
 from libs.bus.server import free_port
 from libs.client.client import Client
-from libs.client.local import REPO, Child, LocalSystem
 from libs.contracts import names
 from libs.contracts.api import NodeInfoRequest
 from libs.contracts.jobs import Job, Phase

@@ -28,10 +28,10 @@ from typing import Any
 import pytest
 import yaml
 
+from app.local import REPO, Child, LocalSystem
 from libs.bus import Bus
 from libs.bus.server import free_port
 from libs.client.client import Client
-from libs.client.local import REPO, Child, LocalSystem
 from libs.contracts import names
 from libs.contracts.api import NodeInfoRequest
 from libs.contracts.base import decode, now

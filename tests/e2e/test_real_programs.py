@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
+from app.local import REPO
 from libs.bus.server import free_port
-from libs.client.local import REPO
 from tests.e2e import relayed_lab
 from tests.e2e.daemon_logs import DaemonLogs
 from tests.e2e.programs.netclient import (

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
+from app.local import REPO
 from libs.client.client import Client
-from libs.client.local import REPO
 from libs.contracts.jobs import Job, Phase
 from tests.e2e import relayed_lab
 from tests.e2e.relayed_lab import new_system, start_lab

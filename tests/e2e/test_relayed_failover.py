@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from app.local import LocalSystem
 from libs.bus.server import free_port
 from libs.client.client import Client
-from libs.client.local import LocalSystem
 from libs.contracts import names
 from libs.contracts.api import NodeInfoRequest
 from libs.contracts.jobs import Phase

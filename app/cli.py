@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent_parser(sub.add_parser("agent", help="daemon: the per-machine agent"))
     relay_parser(sub.add_parser("relay", help="daemon: a relay for Relayed gangs"))
     prober_parser(sub.add_parser("prober", help="daemon: probes, qualification, the gang's run"))
-    from libs.client import remediation_cli
+    from app import remediation_cli
 
     remediation_cli.register(sub)  # node repair: get alerts, approve, policy, fault, ... (issue 6)
     return parser
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from libs.client import remediation_cli
+    from app import remediation_cli
 
     if (code := remediation_cli.dispatch(args)) is not None:
         return code
@@ -226,8 +226,8 @@ def _job_row(job: Any) -> list[str]:
 
 
 async def _get(args: argparse.Namespace) -> int:
+    from app.output import jsonpath, table, to_json, to_yaml
     from libs.client.client import job_document
-    from libs.client.output import jsonpath, table, to_json, to_yaml
 
     def render_one(document: Any) -> str:
         output = args.output
@@ -330,7 +330,7 @@ async def _get(args: argparse.Namespace) -> int:
 
 
 async def _describe(args: argparse.Namespace) -> int:
-    from libs.client.output import table
+    from app.output import table
 
     async def body(client: Any) -> int:
         job = await client.get_job(args.name, args.org)
@@ -482,7 +482,7 @@ async def _delete(args: argparse.Namespace) -> int:
 
 
 async def _usage(args: argparse.Namespace) -> int:
-    from libs.client.output import table
+    from app.output import table
 
     async def body(client: Any) -> int:
         totals = await client.usage()
@@ -535,7 +535,7 @@ def _schema(args: argparse.Namespace) -> int:
 async def _up(args: argparse.Namespace) -> int:
     import signal
 
-    from libs.client.local import DEFAULT_FLEET, LocalSystem
+    from app.local import DEFAULT_FLEET, LocalSystem
 
     system = LocalSystem(
         fleet_path=args.fleet or DEFAULT_FLEET,
@@ -570,6 +570,6 @@ async def _up(args: argparse.Namespace) -> int:
 
 
 async def _demo(args: argparse.Namespace) -> int:
-    from libs.client.demo import run_demo
+    from app.demo import run_demo
 
     return await run_demo(args.state_dir)

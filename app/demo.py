@@ -9,10 +9,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from app.local import REPO, LocalSystem
+from app.output import jsonpath, table
 from libs.bus.server import free_port
 from libs.client.client import Client, job_document, load_jobs
-from libs.client.local import REPO, LocalSystem
-from libs.client.output import jsonpath, table
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.jobs import Job, Phase
 

@@ -286,7 +286,7 @@ def _age(when: datetime | None) -> str:
 
 
 def _print(document: Any, output: str) -> bool:
-    from libs.client.output import jsonpath, to_json, to_yaml
+    from app.output import jsonpath, to_json, to_yaml
 
     if output == "json":
         print(to_json(document))
@@ -307,7 +307,7 @@ def _short(text: str, width: int = 60) -> str:
 
 
 async def _get(args: argparse.Namespace) -> int:
-    from libs.client.output import table
+    from app.output import table
 
     bus = await _open(args)
     try:
@@ -417,7 +417,7 @@ def _time(when: datetime | None) -> str:
 
 
 async def _describe(args: argparse.Namespace) -> int:
-    from libs.client.output import table
+    from app.output import table
 
     bus = await _open(args)
     try:
@@ -550,7 +550,7 @@ async def _breaker(args: argparse.Namespace) -> int:
             + (f"; {held} repairs it held stay with people (not replayed)" if held else "")
         )
         return 0
-    from libs.client.output import table
+    from app.output import table
 
     bus = await _open(args)
     try:

@@ -17,10 +17,8 @@ from libs.bus import Bus
 from libs.bus.server import NatsServer, free_port
 from libs.contracts import names
 from libs.contracts.errors import ErrorCode, NodusError
-from libs.contracts.fleet import Fleet, NodeHealth, NodeRecord
+from libs.contracts.fleet import Fleet, NodeHealth, NodeRecord, load_fleet
 from libs.contracts.relay import RelayRecord
-from services.agent.inventory import load_fleet
-from services.remediator.embedded import start_remediation
 
 REPO = Path(libs.__file__).resolve().parent.parent
 DEFAULT_FLEET = REPO / "examples" / "fleet.yaml"
@@ -32,7 +30,7 @@ class Child:
     name: str
     process: subprocess.Popen[bytes]
     log: Path
-    args: list[str] = field(default_factory=list)  # after `python -m libs.client`
+    args: list[str] = field(default_factory=list)  # after `python -m app`
 
 
 @dataclass
@@ -79,7 +77,7 @@ class LocalSystem:
         }
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "libs.client", *args],
+                [sys.executable, "-m", "app", *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -182,6 +180,39 @@ class LocalSystem:
             metrics=True,
         )
 
+    def start_remediation(self, replicas: int = 1) -> None:
+        """The remediator and the monitor: the monitor reads each local machine's files under
+        `STATE_DIR/machines/NAME/`, the remediator repairs through the local machine provider.
+        Persistence and cooldown are short here, for demos (`nodus fault inject`); the
+        daemons' defaults are the production ones."""
+        state_dir = self.state_dir.resolve()
+        for index in range(replicas):
+            self._spawn(
+                f"remediator-{index}",
+                [
+                    "remediator",
+                    "--replica",
+                    f"remediator-{index}",
+                    "--state-dir",
+                    str(state_dir),
+                    "--persistence-seconds",
+                    "10",
+                    "--cooldown-seconds",
+                    "120",
+                ],
+            )
+        self._spawn(
+            "monitor",
+            [
+                "monitor",
+                "--state-dir",
+                str(state_dir),
+                "--fleet",
+                str(self.fleet_path.resolve()),
+                "--simulate",
+            ],
+        )
+
     async def start(self, timeout: float = 60.0) -> None:
         self.fleet = load_fleet(self.fleet_path)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -201,7 +232,7 @@ class LocalSystem:
                 "prober-0",
                 ["prober", "--replica", "prober-0", "--sample-seconds", str(self.probe_seconds)],
             )
-            start_remediation(self)  # node repair: the remediator and the machines' monitor
+            self.start_remediation()  # node repair: the remediator and the machines' monitor
             for machine in self.fleet.machines:
                 self.machine_dir(machine.name).mkdir(parents=True, exist_ok=True)
                 self.start_agent(machine.name, free_port())

@@ -1,5 +1,0 @@
-import sys
-
-from libs.client.cli import main
-
-sys.exit(main())
