@@ -102,3 +102,34 @@ class LogsReply(Record):
 class StopRequest(Record):
     gang: str
     epoch: int
+
+
+class JoinedEpochsRequest(Record):
+    """To `nodus.node.<node>.req.epochs`: which gang epochs has this node's agent joined."""
+
+
+class JoinedEpoch(Record):
+    gang: str
+    epoch: int
+    rank: int
+    address: str
+    path: str | None = None  # on Relayed: derp:<region> of the relay in use
+    relay: str | None = None
+
+
+class JoinedEpochsReply(Record):
+    node: str
+    epochs: list[JoinedEpoch]
+
+
+class ShimCheckRequest(Record):
+    """To `nodus.node.<node>.req.shim-check` (G10.3): load the shim into the job's launcher."""
+
+    gang: str
+    epoch: int
+
+
+class ShimCheckReply(Record):
+    node: str
+    ok: bool
+    error: str | None = None  # ShimNotLoaded: why, and what to do; CheckFailed: it did not run

@@ -15,11 +15,12 @@ from prometheus_client import Counter, Gauge
 from libs.bus import Bus, Endpoint, EpochGuard
 from libs.contracts import names
 from libs.contracts.api import NodeInfoReply, NodeInfoRequest
-from libs.contracts.base import Record, now
+from libs.contracts.base import now
 from libs.contracts.epochs import Epoch, JoinKeyGrant, JoinRedemption
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Machine, NodeHealth, NodeRecord
 from libs.contracts.jobs import PathClass
+from libs.contracts.lifecycle import JoinedEpoch, JoinedEpochsReply, JoinedEpochsRequest
 from libs.contracts.relay import Member
 from libs.contracts.remediation import RebootReply, RebootRequest
 from libs.mesh import verify_join_key
@@ -39,20 +40,6 @@ DATAPLANES = Counter(
     "nodus_agent_dataplanes_total", "Relayed dataplanes started", ["node", "outcome"]
 )
 JOINED = Gauge("nodus_agent_joined_epochs", "Epochs this node is a member of", ["node"])
-
-
-class JoinedEpoch(Record):
-    gang: str
-    epoch: int
-    rank: int
-    address: str
-    path: str | None = None  # on Relayed: derp:<region> of the relay in use
-    relay: str | None = None
-
-
-class JoinedReply(Record):
-    node: str
-    epochs: list[JoinedEpoch]
 
 
 class Agent:
@@ -114,7 +101,7 @@ class Agent:
                 Endpoint(
                     "epochs",
                     names.node_request(self.node, "epochs"),
-                    NodeInfoRequest,
+                    JoinedEpochsRequest,
                     self.epochs_joined,
                 ),
                 *self.gangs.endpoints(),
@@ -148,7 +135,7 @@ class Agent:
     async def info(self, _: NodeInfoRequest) -> NodeInfoReply:
         return NodeInfoReply(node=self.record())
 
-    async def epochs_joined(self, _: NodeInfoRequest) -> JoinedReply:
+    async def epochs_joined(self, _: JoinedEpochsRequest) -> JoinedEpochsReply:
         epochs = []
         for key, joined in self.joined.items():
             runtime = self.relayed.get(key)
@@ -156,7 +143,7 @@ class Agent:
             if tunnel is not None and tunnel.home is not None:
                 joined = msgspec.structs.replace(joined, path=tunnel.path, relay=tunnel.home.name)
             epochs.append(joined)
-        return JoinedReply(node=self.node, epochs=epochs)
+        return JoinedEpochsReply(node=self.node, epochs=epochs)
 
     async def _beat(self) -> None:
         await self.health.put(

@@ -27,6 +27,8 @@ from libs.contracts.lifecycle import (
     ProbeServeReply,
     ProbeServeRequest,
     RankStatus,
+    ShimCheckReply,
+    ShimCheckRequest,
     StopRequest,
 )
 from services.agent.ranks import RankRunner
@@ -34,10 +36,6 @@ from services.prober.member import ProbeServer
 
 log = logging.getLogger("nodus.agent.gang")
 REPO = str(Path(__file__).resolve().parents[2])  # where `services.prober.member` imports from
-
-
-class ShimCheckReply(PairResult):
-    """Reuses PairResult's fields: ok, error (ShimNotLoaded: why and what to do)."""
 
 
 class GangWork:
@@ -62,7 +60,7 @@ class GangWork:
                 "probe-pair", verb("probe-pair"), ProbePairRequest, self.probe_pair, concurrency=8
             ),
             Endpoint(
-                "shim-check", verb("shim-check"), ProbeServeRequest, self.shim_check, concurrency=4
+                "shim-check", verb("shim-check"), ShimCheckRequest, self.shim_check, concurrency=4
             ),
             Endpoint("launch", verb("launch"), LaunchRequest, self.launch),
             Endpoint("logs", verb("logs"), LogsRequest, self.logs),
@@ -156,7 +154,7 @@ class GangWork:
             measured_time=now(),
         )
 
-    async def shim_check(self, request: ProbeServeRequest) -> ShimCheckReply:
+    async def shim_check(self, request: ShimCheckRequest) -> ShimCheckReply:
         """G10.3: the image's own launcher (the command's first word) must load the shim."""
         from libs.netshim import NetshimCheckError, self_test_async
 
@@ -167,10 +165,9 @@ class GangWork:
         try:
             result = await self_test_async(launcher, timeout=20)
         except NetshimCheckError as error:
-            return ShimCheckReply(a=self.node, b=self.node, ok=False, error=f"CheckFailed: {error}")
+            return ShimCheckReply(node=self.node, ok=False, error=f"CheckFailed: {error}")
         return ShimCheckReply(
-            a=self.node,
-            b=self.node,
+            node=self.node,
             ok=result.ok,
             error=None if result.ok else f"{result.reason}: {result.message}",
         )

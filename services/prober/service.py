@@ -40,6 +40,8 @@ from libs.contracts.lifecycle import (
     ProbeServeReply,
     ProbeServeRequest,
     RankStatus,
+    ShimCheckReply,
+    ShimCheckRequest,
     StopRequest,
 )
 from libs.contracts.relay import Member, UsageRecord
@@ -196,8 +198,8 @@ class Prober:
             *(
                 self.bus.request(
                     names.node_request(n, "shim-check"),
-                    ProbeServeRequest(gang=gang, epoch=epoch),
-                    PairResult,
+                    ShimCheckRequest(gang=gang, epoch=epoch),
+                    ShimCheckReply,
                     timeout=60,
                 )
                 for n in nodes

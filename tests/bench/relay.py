@@ -82,10 +82,9 @@ from app.local import LocalSystem
 from libs.bus.server import free_port
 from libs.client.client import Client
 from libs.contracts import names
-from libs.contracts.api import NodeInfoRequest
 from libs.contracts.bounds import derive
 from libs.contracts.jobs import Job, PathClass, Phase
-from services.agent.agent import JoinedReply
+from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest
 from tests.factories import job
 from tests.socks_client import socks_connect
 
@@ -615,7 +614,10 @@ class Bench:
     async def joined(self, node: str) -> str | None:
         assert self.client is not None
         reply = await self.client.bus.request(
-            names.node_request(node, "epochs"), NodeInfoRequest(), JoinedReply, timeout=2.0
+            names.node_request(node, "epochs"),
+            JoinedEpochsRequest(),
+            JoinedEpochsReply,
+            timeout=2.0,
         )
         return reply.epochs[0].relay if reply.epochs else None
 

@@ -30,9 +30,8 @@ from app.local import REPO, Child, LocalSystem
 from libs.bus.server import free_port
 from libs.client.client import Client
 from libs.contracts import names
-from libs.contracts.api import NodeInfoRequest
 from libs.contracts.jobs import Job, Phase
-from services.agent.agent import JoinedReply
+from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest
 from tests.factories import job
 
 T = TypeVar("T")
@@ -102,10 +101,10 @@ class Lab:
 
         return asyncio.run(body())
 
-    def joined(self, node: str) -> JoinedReply:
-        async def ask(client: Client) -> JoinedReply:
+    def joined(self, node: str) -> JoinedEpochsReply:
+        async def ask(client: Client) -> JoinedEpochsReply:
             return await client.bus.request(
-                names.node_request(node, "epochs"), NodeInfoRequest(), JoinedReply
+                names.node_request(node, "epochs"), JoinedEpochsRequest(), JoinedEpochsReply
             )
 
         return self.run(ask)
@@ -293,7 +292,9 @@ async def start_lab(
         for member in lab.members:
             for _ in range(300):
                 reply = await client.bus.request(
-                    names.node_request(member.node, "epochs"), NodeInfoRequest(), JoinedReply
+                    names.node_request(member.node, "epochs"),
+                    JoinedEpochsRequest(),
+                    JoinedEpochsReply,
                 )
                 if reply.epochs and reply.epochs[0].relay:
                     break

@@ -33,16 +33,21 @@ from libs.bus import Bus
 from libs.bus.server import free_port
 from libs.client.client import Client
 from libs.contracts import names
-from libs.contracts.api import NodeInfoRequest
 from libs.contracts.base import decode, now
 from libs.contracts.epochs import Epoch, JoinKeyGrant, Lease
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.jobs import ConditionType, Job, Phase
-from libs.contracts.lifecycle import LaunchReply, LaunchRequest, ProbeServeReply, ProbeServeRequest
+from libs.contracts.lifecycle import (
+    JoinedEpochsReply,
+    JoinedEpochsRequest,
+    LaunchReply,
+    LaunchRequest,
+    ProbeServeReply,
+    ProbeServeRequest,
+)
 from libs.contracts.relay import Member, RelayRecord, UsageRecord
 from libs.relayproto.client import RelayClient
 from libs.wg import generate_private_key, key_from_base64, key_to_base64, public_key
-from services.agent.agent import JoinedReply
 from services.placer.config import DEFAULT_CONFIG
 from services.prober.schedule import rounds
 from tests.factories import job
@@ -475,7 +480,7 @@ async def _lose_a_member_during_the_run(
 
     # The survivor is on epoch 2 only; messages and keys stamped with epoch 1 are refused.
     joined = await bus.request(
-        names.node_request(survivor, "epochs"), NodeInfoRequest(), JoinedReply
+        names.node_request(survivor, "epochs"), JoinedEpochsRequest(), JoinedEpochsReply
     )
     assert [(e.gang, e.epoch) for e in joined.epochs] == [(gang, 2)]
     for verb, body, kind in (
@@ -502,7 +507,7 @@ async def _lose_a_member_during_the_run(
     message = json.loads(refusals[-1])["msg"]
     assert "StaleEpoch" in message and "this node is on epoch 2" in message, message
     joined = await bus.request(
-        names.node_request(survivor, "epochs"), NodeInfoRequest(), JoinedReply
+        names.node_request(survivor, "epochs"), JoinedEpochsRequest(), JoinedEpochsReply
     )
     assert [(e.gang, e.epoch) for e in joined.epochs] == [(gang, 2)]
 

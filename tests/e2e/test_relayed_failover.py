@@ -18,9 +18,8 @@ from app.local import LocalSystem
 from libs.bus.server import free_port
 from libs.client.client import Client
 from libs.contracts import names
-from libs.contracts.api import NodeInfoRequest
 from libs.contracts.jobs import Phase
-from services.agent.agent import JoinedReply
+from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest
 from tests.factories import job
 from tests.socks_client import socks_connect
 
@@ -70,9 +69,9 @@ FLEET = {
 }
 
 
-async def joined(client: Client, node: str) -> JoinedReply:
+async def joined(client: Client, node: str) -> JoinedEpochsReply:
     return await client.bus.request(
-        names.node_request(node, "epochs"), NodeInfoRequest(), JoinedReply
+        names.node_request(node, "epochs"), JoinedEpochsRequest(), JoinedEpochsReply
     )
 
 

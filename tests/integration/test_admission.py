@@ -3,8 +3,10 @@ readable reason with a stable code, and nothing is written for it."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import nats.errors
 import pytest
 
 from libs.bus import Bus
@@ -218,12 +220,18 @@ def test_malformed_job_files_name_the_field(text: str, field: str) -> None:
 async def test_a_malformed_apply_on_the_wire_is_refused_and_writes_nothing(
     client: Client, bus: Bus
 ) -> None:
-    msg = await bus.nc.request(
-        names.API_JOBS_APPLY,
+    body = (
         b'{"job": {"metadata": {"name": "x", "org": "acme"}, "spec": {"command": ["a"], '
-        b'"distributed": {"members": "two"}}}}',
-        timeout=5,
+        b'"distributed": {"members": "two"}}}}'
     )
+    for _ in range(40):  # a service subscribed an instant ago can be missed for a moment
+        try:
+            msg = await bus.nc.request(names.API_JOBS_APPLY, body, timeout=5)
+            break
+        except nats.errors.NoRespondersError:
+            await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the placer never answered on the apply subject")
     assert msg.headers and msg.headers["Nats-Service-Error-Code"] == "Invalid"
     assert "$.job.spec.distributed.members" in msg.headers["Nats-Service-Error"]
     assert await bus.bucket(names.BUCKET_JOBS, Job).snapshot() == {}

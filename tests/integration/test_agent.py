@@ -16,7 +16,8 @@ from libs.contracts.epochs import Epoch, JoinKeyGrant, JoinRedemption
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.jobs import Phase
-from services.agent.agent import Agent, JoinedReply
+from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest
+from services.agent.agent import Agent
 from tests.conftest import StartPlacer, eventually
 from tests.factories import job, machine
 
@@ -85,7 +86,9 @@ async def test_agents_join_their_epoch_once(
 
     async def joined_both() -> bool:
         replies = [
-            await bus.request(names.node_request(n, "epochs"), NodeInfoRequest(), JoinedReply)
+            await bus.request(
+                names.node_request(n, "epochs"), JoinedEpochsRequest(), JoinedEpochsReply
+            )
             for n in ("aws-a", "vast-a")
         ]
         return all(len(r.epochs) == 1 for r in replies)
@@ -109,7 +112,7 @@ async def test_agents_join_their_epoch_once(
 
     async def left() -> bool:
         reply = await bus.request(
-            names.node_request("aws-a", "epochs"), NodeInfoRequest(), JoinedReply
+            names.node_request("aws-a", "epochs"), JoinedEpochsRequest(), JoinedEpochsReply
         )
         return not reply.epochs
 
