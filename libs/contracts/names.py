@@ -63,11 +63,6 @@ def node_request(node: str, verb: str) -> str:
     return f"nodus.node.{node}.req.{verb}"
 
 
-def gang_subject(gang: str, epoch: int, what: str) -> str:
-    """Epoch-scoped subjects; `gang` is `org.name`."""
-    return f"nodus.gang.{gang}.{epoch}.{what}"
-
-
 def job_event(gang: str, kind: str) -> str:
     return f"nodus.evt.job.{gang}.{kind}"
 

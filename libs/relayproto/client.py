@@ -62,7 +62,6 @@ class RelayClient:
         self.on_batch_end = on_batch_end  # after the messages of one read: write them out
         self.conn: Connection | None = None
         self.region = ""
-        self.rate_bps = 0
         self.present: set[bytes] = set()  # peers of our epoch this relay can reach
         self.ended = ""  # why the last connection ended
 
@@ -99,7 +98,7 @@ class RelayClient:
         except BaseException:
             conn.abort()
             raise
-        self.region, self.rate_bps = welcome.region, welcome.member_rate_bps
+        self.region = welcome.region
         self.present = set()
         self.ended = ""
         self.conn = conn

@@ -25,9 +25,10 @@ from libs.contracts.relay import Member
 from libs.contracts.remediation import RebootReply, RebootRequest
 from libs.mesh import verify_join_key
 from libs.runtime.tasks import cancel_and_wait
+from libs.runtime.version import VERSION as AGENT_VERSION
 from libs.wg import generate_private_key, key_to_base64, public_key
 from services.agent.gangwork import GangWork
-from services.agent.inventory import AGENT_VERSION, capabilities_of, inventory_of
+from services.agent.inventory import capabilities_of, inventory_of
 from services.agent.member import RelayedMember
 
 log = logging.getLogger("nodus.agent")

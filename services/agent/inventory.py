@@ -12,7 +12,6 @@ from libs.contracts.fleet import (
     Machine,
 )
 
-AGENT_VERSION = "0.1.0"
 # What this agent implements; the placer refuses plans needing more (C6).
 BASE_CAPABILITIES = ["register", "heartbeat", "join-epoch"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge
@@ -24,6 +24,7 @@ from libs.contracts.errors import NodusError
 from libs.relayproto import FrameError
 from libs.relayproto.client import RelayClient
 from libs.runtime.tasks import cancel_and_wait
+from libs.socks5 import ReplyCode
 from libs.tunnel import (
     Closed,
     CreditAvailable,
@@ -35,7 +36,6 @@ from libs.tunnel import (
     Reset,
     StreamOpened,
 )
-from libs.tunnel.link import CONNECTION_REFUSED, GENERAL_FAILURE, HOST_UNREACHABLE
 from services.agent.wgdevice import WgDevice
 
 log = logging.getLogger("nodus.agent.tunnel")
@@ -55,7 +55,12 @@ LINK_ERRORS = Counter(
 HIGH_WATER = 2 << 20  # bytes queued to the relay before local reads pause
 READ_SIZE = 256 * 1024
 TICK = 0.02
-NOT_ALLOWED, TTL_EXPIRED = 2, 6  # SOCKS5 reply codes of our own
+# A failed open or a reset carries a SOCKS5 reply code, which the shim maps to an errno.
+GENERAL_FAILURE = ReplyCode.GENERAL_FAILURE
+NOT_ALLOWED = ReplyCode.NOT_ALLOWED
+HOST_UNREACHABLE = ReplyCode.HOST_UNREACHABLE
+CONNECTION_REFUSED = ReplyCode.CONNECTION_REFUSED
+TTL_EXPIRED = ReplyCode.TTL_EXPIRED
 # Fail fast (a caller's own connect timeout must hold): how long a connect waits for...
 FAILOVER_WAIT = 1.0  # ...a relay to be home again, or the peer to be reachable through it
 JOIN_GRACE = 5.0  # ...a peer never seen yet (the epoch has just started) to come up
@@ -140,7 +145,6 @@ class Tunnel:
         self._tasks: list[asyncio.Task[None]] = []
         self._held: set[asyncio.Task[None]] = set()
         self._relay_tasks: dict[str, asyncio.Task[None]] = {}
-        self.on_path: Callable[[str], None] | None = None
         self._streams_gauge = STREAMS.labels(node)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -214,8 +218,6 @@ class Tunnel:
         self._writable.set()
         self._pulse_reachability()
         self._schedule_flush()
-        if self.on_path:
-            self.on_path(self.path)
 
     def _failover(self, lost: RelayClient) -> None:
         """Make-before-break: the other relay is already connected; move to it and resend."""

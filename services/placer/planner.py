@@ -119,10 +119,6 @@ def types_qualified(patterns: Iterable[str], a: tuple[str, str], b: tuple[str, s
     return False
 
 
-def pair_qualified(patterns: Iterable[str], a: Inventory, b: Inventory) -> bool:
-    return types_qualified(patterns, (a.provider, a.offering), (b.provider, b.offering))
-
-
 @dataclass(frozen=True, slots=True)
 class Facts:
     """What the planner needs of a record's addresses, parsed once when the record arrives."""

@@ -43,6 +43,7 @@ from libs.contracts.jobs import (
 )
 from libs.mesh import MeshIdentity
 from libs.runtime.tasks import cancel_and_wait
+from libs.runtime.version import VERSION
 from services.placer import admission
 from services.placer.cluster import ClusterView, follow_cordons
 from services.placer.config import PlacerConfig
@@ -50,7 +51,6 @@ from services.placer.environment import device_names, rank_environments
 from services.placer.planner import Exclusions, Plan, Planner, check_plan
 
 log = logging.getLogger("nodus.placer")
-VERSION = "0.1.0"
 
 DECISIONS = Counter("nodus_placer_decisions_total", "Placement outcomes", ["outcome"])
 ADMISSIONS = Counter("nodus_placer_admissions_total", "Apply requests by outcome", ["outcome"])

@@ -50,7 +50,6 @@ from services.prober.schedule import rounds
 
 log = logging.getLogger("nodus.prober")
 R = TypeVar("R", bound=msgspec.Struct)
-VERSION = "0.1.0"
 
 MAX_EPOCHS = 5  # epochs a gang may fail its probe in before the Job fails
 USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (1 s) plus delivery

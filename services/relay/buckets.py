@@ -15,10 +15,6 @@ class TokenBucket:
         self.tokens = self.burst
         self.updated = time.monotonic()
 
-    def set_rate(self, rate_bits_per_second: int) -> None:
-        self.rate = rate_bits_per_second / 8.0
-        self.burst = float(max(256 * 1024, int(self.rate * 0.02)))
-
     def delay_for(self, size: int, now: float) -> float:
         """Take `size` bytes; how long to wait before sending them (0 when within the share)."""
         if self.rate <= 0:

@@ -45,6 +45,7 @@ from libs.relayproto.client import DEAD_AFTER
 from libs.relayproto.connection import Connection, Offered
 from libs.relayproto.handshake import HandshakeRefused
 from libs.runtime.tasks import cancel_and_wait
+from libs.runtime.version import VERSION
 from services.relay.billing import UsageMeter
 from services.relay.buckets import TokenBucket
 from services.relay.membership import Identity, Membership
@@ -61,7 +62,6 @@ from services.relay.metrics import (
 )
 
 log = logging.getLogger("nodus.relay")
-VERSION = "0.1.0"
 READ_SIZE = 256 * 1024
 # Bytes queued to one member before what else is meant for it is dropped (counted): far more
 # than the senders' links keep in flight to it (libs.tunnel.Link's in-flight cap), so only a

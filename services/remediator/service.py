@@ -50,6 +50,7 @@ from libs.contracts.remediation import (
     Transition,
 )
 from libs.runtime.tasks import cancel_and_wait
+from libs.runtime.version import VERSION
 from services.remediator import alerts as alert_rules
 from services.remediator import guardrails, ladder, lifecycle, metrics, policy
 from services.remediator.alerts import AlertSettings, Placement
@@ -60,7 +61,6 @@ from services.remediator.lifecycle import remediation_id
 from services.remediator.provider import MachineProvider
 
 log = logging.getLogger("nodus.remediator")
-VERSION = "0.1.0"
 REMEDIATOR_HOLD = "remediator"  # the remediator's cordon hold; it never lifts anyone else's
 RETIRED_HOLD = "retired"
 
