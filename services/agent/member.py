@@ -4,8 +4,6 @@ and the SOCKS5 entry its ranks' shim dials (NODUS_NETSHIM_SOCKS)."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
 from datetime import timedelta
 
@@ -16,6 +14,7 @@ from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.relay import Member, RelayRecord
 from libs.runtime.tasks import cancel_and_wait
+from libs.wg import key_from_base64
 from services.agent.socks import SocksFront
 from services.agent.tunnel import Tunnel
 from services.agent.wgdevice import WgDevice
@@ -110,8 +109,8 @@ class RelayedMember:
             if peer is None or peer.node == self.member.node or self.tunnel is None:
                 continue
             try:
-                key = base64.b64decode(peer.wg_public_key, validate=True)
-            except (binascii.Error, ValueError):
+                key = key_from_base64(peer.wg_public_key)
+            except ValueError:  # S3: a malformed record is skipped, and said so
+                log.warning("member record %s: its WireGuard key is malformed", change.key)
                 continue
-            if len(key) == 32:
-                self.tunnel.add_peer(peer.node, peer.address, key)
+            self.tunnel.add_peer(peer.node, peer.address, key)

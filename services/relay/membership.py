@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,6 +11,9 @@ from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.epochs import Epoch
 from libs.contracts.relay import Member
+from libs.wg import key_from_base64
+
+log = logging.getLogger("nodus.relay.membership")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +78,9 @@ class Membership:
                 self.by_key = {k: v for k, v in self.by_key.items() if _kv_key(v) != change.key}
                 continue
             try:
-                raw = base64.b64decode(member.wg_public_key, validate=True)
-            except (binascii.Error, ValueError):
-                continue
-            if len(raw) != 32:
+                raw = key_from_base64(member.wg_public_key)
+            except ValueError:  # S3: a malformed record admits nobody, and is said so
+                log.warning("member record %s: its WireGuard key is malformed", change.key)
                 continue
             size = self.sizes.get((member.gang, member.epoch), 2)
             self.by_key[raw] = Identity(member.gang, member.epoch, member.node, size)
