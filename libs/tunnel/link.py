@@ -18,6 +18,8 @@ import struct
 from collections import deque
 from dataclasses import dataclass
 
+from libs.socks5 import ReplyCode
+
 HEADER = struct.Struct(">BIII")
 U32 = struct.Struct(">I")
 OPEN_BODY = struct.Struct(">HI")
@@ -25,8 +27,9 @@ OPEN_BODY = struct.Struct(">HI")
 OPEN, OPEN_OK, OPEN_FAIL, DATA, CREDIT, FIN, RST, ACK = range(1, 9)
 SEQ_MOD = 1 << 32
 
-# SOCKS5 reply codes travel as the reason of a failed open or a reset.
-GENERAL_FAILURE, HOST_UNREACHABLE, CONNECTION_REFUSED = 1, 4, 5
+# SOCKS5 reply codes travel as the reason of a failed open or a reset (the shim maps them to
+# the errno a direct connect would give).
+GENERAL_FAILURE = int(ReplyCode.GENERAL_FAILURE)
 
 
 class LinkError(ValueError):
