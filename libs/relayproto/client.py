@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable
 
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.relayproto.auth import member_proof
-from libs.relayproto.connection import Connection
+from libs.relayproto.connection import DEAD_AFTER, Connection
 from libs.relayproto.frames import (
     Absent,
     Challenge,
@@ -34,9 +33,6 @@ from libs.relayproto.frames import (
 from libs.relayproto.handshake import HandshakeRefused
 
 log = logging.getLogger("nodus.relay.client")
-
-PING_INTERVAL = 1.0
-DEAD_AFTER = 3.0  # a relay that says nothing for this long is gone (a hung or paused process)
 
 
 class RelayClient:
@@ -109,13 +105,10 @@ class RelayClient:
         conn = self.conn
         if conn is None:
             return
-        loop = asyncio.get_running_loop()
-        heard = [loop.time()]
-        keepalive = loop.create_task(self._keepalive(conn, heard))
+        keepalive = asyncio.get_running_loop().create_task(conn.keep_alive())
         try:
             while not conn.closed:
                 frames = await conn.read_frames()
-                heard[0] = loop.time()
                 for frame in frames:
                     if isinstance(frame, Recv):
                         self.on_message(frame.src, frame.message)
@@ -135,8 +128,11 @@ class RelayClient:
                 if self.on_batch_end is not None:
                     self.on_batch_end()
             self.ended = self.ended or "closed"
-        except (ConnectionError, OSError) as error:  # the keepalive's reason, if it aborted
-            self.ended = self.ended or f"connection ended: {error}"
+        except (ConnectionError, OSError) as error:
+            if conn.silent:
+                self.ended = f"silent for more than {DEAD_AFTER:g} s"
+            else:
+                self.ended = self.ended or f"connection ended: {error}"
         except FrameError as error:
             self.ended = f"malformed frame from the relay: {error}"
         finally:
@@ -146,16 +142,6 @@ class RelayClient:
                 self.present.clear()
                 if self.on_presence is not None:
                     self.on_presence(self)
-
-    async def _keepalive(self, conn: Connection, heard: list[float]) -> None:
-        loop = asyncio.get_running_loop()
-        while not conn.closed:
-            await asyncio.sleep(PING_INTERVAL)
-            if loop.time() - heard[0] > DEAD_AFTER:
-                self.ended = f"silent for more than {DEAD_AFTER:g} s"
-                conn.abort()  # wakes the reader with a reset
-                return
-            conn.send_nowait(Ping(os.urandom(8)))
 
     def _presence(self, add: tuple[bytes, ...] = (), remove: tuple[bytes, ...] = ()) -> None:
         self.present.update(add)

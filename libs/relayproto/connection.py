@@ -2,26 +2,30 @@
 frame codec and the handshake.
 
 Writing never raises: a connection that closed under us reports it (`send_nowait` and
-`offer` return False or a reason) and the caller decides what that failure owns: a relay
+`offer_all` return False or a reason) and the caller decides what that failure owns: a relay
 drops what was meant for that destination, a member fails over. Two ways to write:
   - `send` waits for the peer to take its bytes when too many are queued (backpressure on
     whoever is sending), for traffic the writer itself produces;
-  - `offer` never waits: what a full destination cannot take is refused, so the loop that
+  - `offer_all` never waits: what a full destination cannot take is refused, so the loop that
     forwards it (another member's session, a mesh link shared by many gangs) keeps going.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections import deque
 from enum import Enum
 
-from libs.relayproto.frames import Frame, FrameDecoder, Welcome, encode
+from libs.relayproto.frames import Frame, FrameDecoder, Ping, Welcome, encode
 from libs.relayproto.handshake import AcceptorHandshake, Answer, DialerHandshake
 
 READ_SIZE = 256 * 1024
 HIGH_WATER = 1 << 20  # bytes queued to one connection before `send` waits
 HANDSHAKE_TIMEOUT = 5.0
+PING_INTERVAL = 1.0
+DEAD_AFTER = 3.0  # a peer that says nothing for this long is gone (a hung or paused process)
 
 
 class Offered(Enum):
@@ -39,6 +43,8 @@ class Connection:
         self.decoder = FrameDecoder()
         self.closed = False
         self._pending: deque[Frame] = deque()  # read, not yet handed to the session
+        self.heard = time.monotonic()  # when the peer last sent anything
+        self.silent = False  # ended by `keep_alive`: the peer fell silent
         writer.transport.set_write_buffer_limits(high=HIGH_WATER)
 
     # -- writing -------------------------------------------------------------------------------
@@ -52,15 +58,7 @@ class Connection:
 
     def send_nowait(self, frame: Frame | bytes) -> bool:
         """Queue a frame (or an encoded one); False when the connection is gone."""
-        if self.closed or self.writer.transport.is_closing():
-            self.closed = True
-            return False
-        try:
-            self.writer.write(frame if isinstance(frame, bytes) else encode(frame))
-        except (RuntimeError, OSError):  # closed between the check and the write
-            self.closed = True
-            return False
-        return True
+        return self.send_all([frame if isinstance(frame, bytes) else encode(frame)])
 
     def send_all(self, encoded: list[bytes]) -> bool:
         """Queue encoded frames in one write; False when the connection is gone."""
@@ -69,28 +67,20 @@ class Connection:
             return False
         try:
             self.writer.writelines(encoded)
-        except (RuntimeError, OSError):
+        except (RuntimeError, OSError):  # closed between the check and the write
             self.closed = True
             return False
         return True
 
     def offer_all(self, encoded: list[bytes], limit: int) -> Offered:
-        """`offer` for several encoded frames at once, in one write."""
+        """Queue encoded frames in one write, unless `limit` bytes already wait for this
+        peer: a full or gone peer is reported, never waited for."""
         if self.closed or self.writer.transport.is_closing():
             self.closed = True
             return Offered.CLOSED
         if self.writer.transport.get_write_buffer_size() > limit:
             return Offered.FULL
         return Offered.SENT if self.send_all(encoded) else Offered.CLOSED
-
-    def offer(self, frame: Frame, limit: int) -> Offered:
-        """Queue a frame unless `limit` bytes are already waiting for this peer."""
-        if self.closed or self.writer.transport.is_closing():
-            self.closed = True
-            return Offered.CLOSED
-        if self.writer.transport.get_write_buffer_size() > limit:
-            return Offered.FULL
-        return Offered.SENT if self.send_nowait(frame) else Offered.CLOSED
 
     async def send(self, frame: Frame) -> bool:
         """Queue a frame, then wait while more than HIGH_WATER bytes are queued."""
@@ -119,7 +109,20 @@ class Connection:
         data = await self.reader.read(READ_SIZE)
         if not data:
             raise ConnectionResetError("closed by peer")
+        self.heard = time.monotonic()
         return self.decoder.feed(data)
+
+    async def keep_alive(self) -> None:
+        """Ping the peer every PING_INTERVAL while someone reads this connection; when it has
+        said nothing for DEAD_AFTER, abort (the reader wakes with a reset; `silent` says why).
+        Run it as a task beside the reader; it returns when the connection ends."""
+        while not self.closed:
+            await asyncio.sleep(PING_INTERVAL)
+            if time.monotonic() - self.heard > DEAD_AFTER:
+                self.silent = True
+                self.abort()
+                return
+            self.send_nowait(Ping(os.urandom(8)))
 
     # -- handshakes ----------------------------------------------------------------------------
 

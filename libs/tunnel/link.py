@@ -166,6 +166,11 @@ class Link:
         state.credit -= taken
         return taken
 
+    def peer_finished(self, stream: int) -> bool:
+        """The peer sent FIN on `stream` (it will send no more)."""
+        state = self.streams.get(stream)
+        return state is not None and state.got_fin
+
     def consumed(self, stream: int, size: int) -> None:
         """The application wrote `size` delivered bytes out: grant them back in batches."""
         state = self.streams.get(stream)

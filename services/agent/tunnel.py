@@ -82,8 +82,7 @@ class Peer:
     address: str
     key: bytes
     link: Link
-    heard: float = 0.0  # monotonic time of the last message from the peer
-    seen: bool = False  # ever present on a relay
+    heard: float = 0.0  # monotonic time of the last message from the peer; 0: never yet
 
 
 @dataclass
@@ -97,8 +96,9 @@ class Bridge:
     opened: asyncio.Future[int] | None = None
     credit: asyncio.Event = field(default_factory=asyncio.Event)
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # both directions closed
-    early: list[bytes] = field(default_factory=list)  # arrived before the socket was attached
-    outbox: list[bytes] = field(default_factory=list)  # delivered, written at the batch's end
+    # Delivered, not yet written: at the end of the relay read, or (bytes the peer sent as soon
+    # as it accepted, at most the stream's credit window) once the socket is attached.
+    outbox: list[bytes] = field(default_factory=list)
     written: int = 0  # delivered bytes written to the socket, not yet granted back
     draining: bool = False
     task: asyncio.Task[None] | None = None
@@ -154,7 +154,6 @@ class Tunnel:
             return
         side = 0 if self.device.public_key < key else 1
         peer = Peer(node, address, key, Link(side, window=self.window))
-        peer.seen = any(key in relay.present for relay in self.relays)
         self.peers_by_key[key] = peer
         self.peers_by_address[address] = peer
         self.device.add_peer(key)
@@ -232,10 +231,6 @@ class Tunnel:
         log.warning("relay %s lost and no other relay is up", lost.name)
 
     def _on_presence(self, relay: RelayClient) -> None:
-        for key in relay.present:
-            peer = self.peers_by_key.get(key)
-            if peer is not None:
-                peer.seen = True
         self._pulse_reachability()
 
     def _pulse_reachability(self) -> None:
@@ -336,13 +331,9 @@ class Tunnel:
         if isinstance(event, Data):
             if bridge is None:
                 return
-            if bridge.writer is None:
-                # The peer may send as soon as it accepted, before our side of the splice is
-                # wired up: hold the bytes (at most the stream's credit window) until it is.
-                bridge.early.append(event.data)
-                return
             bridge.outbox.append(event.data)
-            self._touched[key] = bridge
+            if bridge.writer is not None:  # else written once `splice` attaches the socket
+                self._touched[key] = bridge
         elif isinstance(event, CreditAvailable):
             if bridge is not None:
                 bridge.credit.set()
@@ -418,6 +409,7 @@ class Tunnel:
 
     def _drop_bridge(self, bridge: Bridge) -> None:
         self.bridges.pop((bridge.peer.key, bridge.stream), None)
+        bridge.outbox = []
         bridge.finished.set()
         bridge.credit.set()
         if bridge.writer is not None:
@@ -462,13 +454,13 @@ class Tunnel:
         """Return once a relay can deliver to `peer`. A peer no connected relay can reach is
         unreachable at once (StreamRefused, host unreachable); while the tunnel is failing
         over, or the peer is reachable through a relay that is not home yet, wait at most the
-        failover; a peer not seen yet (the epoch has just started) gets its join's time."""
+        failover; a peer not heard from yet (the epoch has just started) gets its join's time."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (FAILOVER_WAIT if peer.seen else JOIN_GRACE)
+        deadline = loop.time() + (FAILOVER_WAIT if peer.heard else JOIN_GRACE)
         while not self.reachable(peer):
             elsewhere = any(r.up and peer.key in r.present for r in self.relays)
             left = deadline - loop.time()
-            if left <= 0 or (peer.seen and self.home is not None and not elsewhere):
+            if left <= 0 or (peer.heard and self.home is not None and not elsewhere):
                 STREAM_RESETS.labels(self.node, "open_unreachable").inc()
                 raise StreamRefused(HOST_UNREACHABLE)
             try:
@@ -540,8 +532,9 @@ class Tunnel:
         arrives (see _on_event)."""
         bridge.reader, bridge.writer = reader, writer
         bridge.task = asyncio.current_task()
-        bridge.outbox, bridge.early = bridge.early, []
-        self._write_bridge(bridge)
+        self._write_bridge(bridge)  # what the peer sent before the socket was attached ...
+        if bridge.peer.link.peer_finished(bridge.stream):
+            self._write_eof(bridge)  # ... and its FIN, if it came too
         peer, stream = bridge.peer, bridge.stream
         link = peer.link
         pending = first  # read from the local socket, not yet taken by the link

@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,7 @@ from libs.relayproto import (
     wireguard_type,
     x25519_public,
 )
-from libs.relayproto.client import DEAD_AFTER
-from libs.relayproto.connection import Connection, Offered
+from libs.relayproto.connection import DEAD_AFTER, Connection, Offered
 from libs.relayproto.handshake import HandshakeRefused
 from libs.runtime.tasks import cancel_and_wait
 from libs.runtime.version import VERSION
@@ -78,7 +78,6 @@ class MemberSession:
     label: tuple[str, str] = ("", "")
     # The session's own counter child: no label lookup per forwarded frame (the hot path).
     bytes_out: Any = None
-    heard: float = 0.0  # loop time of the last frame from the member
     # Frames routed to this member during the read being handled, written at its end.
     outbox: list[bytes] = field(default_factory=list)
     outbox_bytes: int = 0
@@ -235,7 +234,6 @@ class Relay:
         session = MemberSession(
             hello.wg_key, identity, conn, TokenBucket(rate), (identity.gang, identity.node)
         )
-        session.heard = asyncio.get_running_loop().time()
         old = self.sessions.get(hello.wg_key)
         if old is not None:
             old.conn.close()
@@ -263,14 +261,12 @@ class Relay:
         sent = BYTES.labels(gang, node, "in")
         waited = BUCKET_WAIT.labels(gang, node)
         identity = session.identity
-        loop = asyncio.get_running_loop()
         while not conn.closed:
             try:
                 frames = await conn.read_frames()
             except FrameError:
                 DROPPED.labels("malformed").inc()
                 return
-            session.heard = loop.time()
             sends: list[Send] = []
             for frame in frames:
                 if isinstance(frame, Send):
@@ -305,7 +301,8 @@ class Relay:
             for mesh, forward in forwards:
                 # Onto the shared mesh link: the sender waits while it is full (its own
                 # backpressure), never a destination behind it.
-                await mesh.send(forward)
+                if not await mesh.send(forward):
+                    DROPPED.labels("mesh_closed").inc()  # the link dropped as we forwarded
 
     def _route(
         self, src: bytes, dst: bytes, message: bytes, from_mesh: bool = False
@@ -365,17 +362,16 @@ class Relay:
     async def _sweep_silent(self) -> None:
         """Members ping every second; one that has said nothing for DEAD_AFTER is gone (a
         paused or hung agent): its session ends, so its peers learn it is unreachable."""
-        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(1.0)
-            t = loop.time()
+            t = time.monotonic()
             for session in list(self.sessions.values()):
-                if t - session.heard > DEAD_AFTER:
+                if t - session.conn.heard > DEAD_AFTER:
                     log.info(
                         "%s of %s silent for %.1f s: closing its session",
                         session.identity.node,
                         session.identity.gang,
-                        t - session.heard,
+                        t - session.conn.heard,
                     )
                     session.conn.abort()
 
@@ -444,14 +440,20 @@ class Relay:
                 )
                 self._mesh_reachability_changed(peer.name)
                 log.info("mesh link to %s (%s) up", peer.name, peer.address)
-                await self._mesh_keepalive(conn)  # only Pongs come back; EOF: the peer is gone
+                pinger = asyncio.get_running_loop().create_task(conn.keep_alive())
+                try:
+                    while not conn.closed:  # only Pongs come back; EOF: the peer is gone
+                        await conn.read_frames()
+                finally:
+                    pinger.cancel()
             except asyncio.CancelledError:
                 raise
             except HandshakeRefused as refused:
                 log.warning("mesh peer %s refused us: %s", peer.address, refused)
             except (OSError, TimeoutError, FrameError) as error:
                 if peer.conn is not None:
-                    log.warning("mesh link to %s lost: %s", peer.address, error)
+                    why = f"silent for more than {DEAD_AFTER:g} s" if peer.conn.silent else error
+                    log.warning("mesh link to %s lost: %s", peer.address, why)
                     MESH_LOSSES.labels(peer.name or peer.address).inc()
             finally:
                 if conn is not None:
@@ -462,29 +464,6 @@ class Relay:
                 if was_up:
                     self._mesh_reachability_changed(peer.name)
             await asyncio.sleep(0.5)
-
-    async def _mesh_keepalive(self, conn: Connection) -> None:
-        """Ping the peer relay every second; one silent for DEAD_AFTER is gone (hung or
-        paused), and the link is dropped so its members' presence is withdrawn."""
-        loop = asyncio.get_running_loop()
-        heard = loop.time()
-
-        async def ping() -> None:
-            while not conn.closed:
-                await asyncio.sleep(1.0)
-                if loop.time() - heard > DEAD_AFTER:
-                    log.warning("mesh peer silent for %.1f s: dropping the link", DEAD_AFTER)
-                    conn.abort()
-                    return
-                conn.send_nowait(Ping(os.urandom(8)))
-
-        pinger = loop.create_task(ping())
-        try:
-            while not conn.closed:
-                await conn.read_frames()
-                heard = loop.time()
-        finally:
-            pinger.cancel()
 
     def _mesh_reachability_changed(self, relay: str) -> None:
         """Our link to `relay` came up or went down: its members' reachability changed."""

@@ -33,6 +33,7 @@ from libs.contracts import names
 from libs.contracts.jobs import Job, Phase
 from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest
 from tests.factories import job
+from tests.netshim.support import clean_env
 
 T = TypeVar("T")
 
@@ -64,15 +65,7 @@ def fleet(prefix: str, first: int) -> dict[str, Any]:
 
 def program_env(rank_env: dict[str, str] | None = None) -> dict[str, str]:
     """This environment without proxies (curl would use them) or a preload, plus `rank_env`."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.lower().endswith("_proxy") and not k.startswith("NODUS_NETSHIM")
-    }
-    env.pop("LD_PRELOAD", None)
-    env["PYTHONPATH"] = str(REPO)
-    env.update(rank_env or {})
-    return env
+    return {**clean_env(), **(rank_env or {})}
 
 
 @dataclass

@@ -34,16 +34,9 @@ MESH_KEY = b"m" * 32
 L4 = {"count": 1, "backend": "cuda", "model": "L4"}
 
 
-@dataclass
-class Gang:
-    relays: list[Relay]
-    agents: list[Agent]
-    socks: list[tuple[str, int]]
-    addresses: list[str]
-
-
-@pytest.fixture
-async def gang(bus: Bus, start_placer: StartPlacer) -> AsyncIterator[Gang]:
+async def meshed_relays(bus: Bus) -> list[Relay]:
+    """Two relays meshed with each other, as `nodus up` runs them, started; once this returns,
+    each has its link to the other up and knows who is homed there."""
     ports = [free_port(), free_port()]
     relays = [
         Relay(
@@ -58,6 +51,24 @@ async def gang(bus: Bus, start_placer: StartPlacer) -> AsyncIterator[Gang]:
     ]
     for relay in relays:
         await relay.start()
+    for _ in range(100):
+        if all(any(p.conn for p in r.peers.values()) and r.remote for r in relays):
+            break
+        await asyncio.sleep(0.05)
+    return relays
+
+
+@dataclass
+class Gang:
+    relays: list[Relay]
+    agents: list[Agent]
+    socks: list[tuple[str, int]]
+    addresses: list[str]
+
+
+@pytest.fixture
+async def gang(bus: Bus, start_placer: StartPlacer) -> AsyncIterator[Gang]:
+    relays = await meshed_relays(bus)
     socks = [("127.0.0.1", free_port()), ("127.0.0.1", free_port())]
     addresses = ["127.0.1.21", "127.0.1.22"]
     agents = [
@@ -184,20 +195,9 @@ async def enrol(bus: Bus, gang: str, epoch: int, nodes: list[Node]) -> None:
 
 @pytest.fixture
 async def relays(bus: Bus) -> AsyncIterator[tuple[Relay, Relay]]:
-    ports = [free_port(), free_port()]
-    pair = (
-        Relay(bus, "relay-a", "eu", ("127.0.0.1", ports[0]), [f"127.0.0.1:{ports[1]}"], MESH_KEY),
-        Relay(bus, "relay-b", "us", ("127.0.0.1", ports[1]), [f"127.0.0.1:{ports[0]}"], MESH_KEY),
-    )
-    for relay in pair:
-        await relay.start()
-    # Wait for the mesh links in both directions.
-    for _ in range(100):
-        if all(any(p.conn for p in r.peers.values()) for r in pair) and all(r.remote for r in pair):
-            break
-        await asyncio.sleep(0.05)
-    yield pair
-    for relay in pair:
+    first, second = await meshed_relays(bus)
+    yield first, second
+    for relay in (first, second):
         await relay.stop()
 
 

@@ -39,10 +39,6 @@ def total(family: str) -> float:
     )
 
 
-def sample(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
 async def crash(relay: Relay) -> None:
     """What SIGKILL does to a relay, in process: every connection dropped at once, no usage
     flushed, no goodbye to the mesh."""
@@ -97,7 +93,7 @@ async def test_a_socket_that_dies_with_data_arriving_resets_only_its_own_stream(
     hose_port = hose.sockets[0].getsockname()[1]
     echo_port = echo.sockets[0].getsockname()[1]
     tunnel = tunnel_of(gang, 0)
-    failovers = sample("nodus_agent_relay_failovers_total", node="vast-a")
+    failovers = metric("nodus_agent_relay_failovers_total", node="vast-a")
     async with hose, echo:
         # A long-lived request/response stream beside the ones that die.
         code, long_reader, long_writer = await socks_connect(
@@ -118,9 +114,9 @@ async def test_a_socket_that_dies_with_data_arriving_resets_only_its_own_stream(
             return not tunnel.bridges and not tunnel_of(gang, 1).bridges
 
         await eventually(all_closed)
-    assert sample("nodus_agent_relay_failovers_total", node="vast-a") == failovers
+    assert metric("nodus_agent_relay_failovers_total", node="vast-a") == failovers
     resets = sum(
-        sample("nodus_agent_stream_resets_total", node="vast-a", reason=reason)
+        metric("nodus_agent_stream_resets_total", node="vast-a", reason=reason)
         for reason in ("local_reset", "local_closed", "local_write_failed")
     )
     assert resets >= 1
@@ -130,23 +126,67 @@ async def test_a_socket_that_dies_with_data_arriving_resets_only_its_own_stream(
 async def test_a_destination_that_is_gone_costs_its_sender_nothing(
     bus: Bus, relays: tuple[Relay, Relay]
 ) -> None:
-    """Issue 9 (2): the relay's write to a member that just closed used to end the *sender's*
-    session."""
+    """Issue 9 (2): the relay's write to a member whose connection had just closed raised out
+    of the *sender's* session and ended it."""
     a, b, c = (Node("acme.trio", 1, n) for n in "abc")
     await enrol(bus, "acme.trio", 1, [a, b, c])
     await known(relays, a, b, c)
     client_a = await connected(a, relays[0])
-    client_b = await connected(b, relays[0])
+    await connected(b, relays[0])
     await connected(c, relays[0])
-    assert client_b.conn is not None
-    client_b.conn.abort()  # b is gone while a keeps sending to it
+    relay = relays[0]
+    # b's connection closes under the relay while its session is still registered: exactly
+    # the moment the old relay raised in. Routing to it must drop, count, and not raise.
+    before = metric("nodus_relay_frames_dropped_total", reason="destination_closed")
+    relay.sessions[b.public].conn.writer.transport.abort()
+    assert relay._route(a.public, b.public, wg_shaped(1000)) is None
+    relay._write_out()
+    assert metric("nodus_relay_frames_dropped_total", reason="destination_closed") == before + 1
     for index in range(200):
         client_a.send_now(b.public, wg_shaped(1000))
         client_a.send_now(c.public, wg_shaped(1000, index % 200))
     for index in range(200):
         src, message = await asyncio.wait_for(c.inbox.get(), 5)
         assert src == a.public and message == wg_shaped(1000, index % 200)
+    assert client_a.up and a.public in relay.sessions
+
+
+async def test_a_member_that_stops_reading_loses_only_its_own_frames(
+    bus: Bus, relays: tuple[Relay, Relay]
+) -> None:
+    """A relay never waits for a destination: past its queue bound, what a member that stopped
+    reading cannot take is dropped and counted, and its peers' traffic to others flows on."""
+    a, b, c = (Node("acme.stall", 1, n) for n in "abc")
+    await enrol(bus, "acme.stall", 1, [a, b, c])
+    await known(relays, a, b, c)
+    client_a = await connected(a, relays[0])
+    stalled = b.client(relays[0])
+    await stalled.connect()  # connected, and nobody ever reads it
+    await connected(c, relays[0])
+    message = wg_shaped(60_000)
+    for index in range(1200):  # 72 MB for b, more than the relay queues for one member
+        client_a.send_now(b.public, message)
+        if index % 10 == 0:
+            client_a.send_now(c.public, wg_shaped(100, index % 200))
+            await client_a.drain()
+    for index in range(0, 1200, 10):
+        src, got = await asyncio.wait_for(c.inbox.get(), 10)
+        assert src == a.public and got == wg_shaped(100, index % 200)
+
+    async def dropped() -> bool:
+        return (
+            metric(
+                "nodus_relay_destination_drops_total",
+                gang="acme.stall",
+                member="b",
+                reason="destination_full",
+            )
+            > 0
+        )
+
+    await eventually(dropped)
     assert client_a.up and a.public in relays[0].sessions
+    stalled.close()
 
 
 async def test_presence_tells_members_which_peers_a_relay_can_reach(
@@ -279,5 +319,23 @@ async def test_a_connect_to_a_member_whose_agent_stopped_is_unreachable_at_once(
     assert elapsed < 1.0
 
 
-def test_metric_helpers_agree() -> None:
-    assert metric("nodus_no_such_metric_total") == sample("nodus_no_such_metric_total") == 0.0
+async def test_a_server_that_writes_and_closes_at_once_is_read_to_the_end(gang: Gang) -> None:
+    """A banner and a FIN the peer sends as soon as it accepts can arrive before our side of
+    the stream is attached to the program's socket: both must reach the program."""
+    banner = b"220 hello, and goodbye\r\n" * 100
+
+    async def greeter(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(banner)
+        writer.write_eof()
+        await writer.drain()
+        await reader.read()  # until the client closes too
+        writer.close()
+
+    server = await asyncio.start_server(greeter, gang.addresses[1], 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        for _ in range(20):
+            code, reader, writer = await socks_connect(gang.socks[0], gang.addresses[1], port)
+            assert code == 0
+            assert await asyncio.wait_for(reader.read(), 5) == banner  # read() ends at EOF
+            writer.close()

@@ -24,34 +24,15 @@ from services.agent.agent import Agent
 from services.agent.inventory import network_namespace
 from services.placer.config import PlacerConfig
 from services.prober.service import Prober
-from services.relay.relay import Relay
 from tests.conftest import StartPlacer, eventually
 from tests.factories import job, machine, node_record, register
+from tests.integration.conftest import meshed_relays
 
 STATIC_LAUNCHER = (
     Path(__file__).resolve().parents[2] / "netshim" / "build" / "tests" / "hello-static"
 )
 WORKLOAD = str(Path(__file__).resolve().parents[2] / "examples" / "workloads" / "allreduce.py")
 L4 = {"count": 1, "backend": "cuda", "model": "L4"}
-
-
-async def meshed_relays(bus: Bus) -> list[Relay]:
-    """Two relays meshed with each other, as `nodus up` runs them."""
-    ports = [free_port(), free_port()]
-    relays = [
-        Relay(
-            bus,
-            f"relay-{i}",
-            "eu-central",
-            ("127.0.0.1", ports[i]),
-            [f"127.0.0.1:{ports[1 - i]}"],
-            b"k" * 32,
-        )
-        for i in range(2)
-    ]
-    for relay in relays:
-        await relay.start()
-    return relays
 
 
 @pytest.fixture

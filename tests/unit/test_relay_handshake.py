@@ -93,4 +93,4 @@ async def test_writes_to_a_closed_connection_report_it_instead_of_raising() -> N
         writer.transport.abort()
         assert conn.send_nowait(Recv(KEY, MESSAGE)) is False
         assert (await conn.send(Recv(KEY, MESSAGE))) is False
-        assert conn.offer(Recv(KEY, MESSAGE), 1 << 20).value == "destination_closed"
+        assert conn.offer_all([encode(Recv(KEY, MESSAGE))], 1 << 20).value == "destination_closed"
