@@ -23,6 +23,9 @@ WANTED=(
   # The real-program end-to-end tests (tests/e2e/test_real_programs.py): Debian's iperf3
   # through the shim between the members of a Relayed gang.
   "iperf3:iperf3"
+  # The network-namespace lab (app/netlab, `nodus up --netns`): NAT routers masquerade with
+  # nftables; members' namespaces filter UDP in the fallback tests.
+  "nftables:nft"
 )
 
 missing=()

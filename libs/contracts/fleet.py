@@ -36,6 +36,9 @@ class Machine(Record):
     private_address: str | None = None
     # Interface that carries the private network; NCCL/Gloo use it on the Private path.
     private_interface: Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_.-]{1,15}$")] = "eth1"
+    # Behind its provider's NAT: `address` is private, and peers see the NAT's public address
+    # (the network-namespace lab builds the NAT router; on real machines it is the provider's).
+    nat: bool = False
 
 
 class Fleet(Record):

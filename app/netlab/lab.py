@@ -1,0 +1,186 @@
+"""Build a `Topology` on this host and take it down again, however the last run ended.
+
+What the lab made is written to a state file before it is made, so a run that crashed (or
+was SIGKILLed) is cleaned at the next start: its processes killed, its namespaces and the
+host's link deleted. Needs root and iproute2; NAT routers need nftables.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from app.netlab.topology import Topology, build_commands, nat_rules
+from libs.contracts.errors import ErrorCode, NodusError
+
+log = logging.getLogger("nodus.netlab")
+
+TOOLS = ("ip", "nft")
+COMMAND_TIMEOUT = 10.0
+
+
+def missing_requirements() -> str | None:
+    """Why the lab cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "the network-namespace lab needs root"
+    absent = [tool for tool in TOOLS if shutil.which(tool) is None]
+    if absent:
+        return f"the network-namespace lab needs {', '.join(absent)} (deploy/dev/system-deps.sh)"
+    return None
+
+
+def _run(argv: list[str], stdin: str | None = None) -> None:
+    done = subprocess.run(
+        argv, input=stdin, capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=False
+    )
+    if done.returncode != 0:
+        raise NodusError(
+            ErrorCode.INTERNAL,
+            f"network lab: {' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}",
+        )
+
+
+def _existing_namespaces() -> set[str]:
+    done = subprocess.run(
+        ["ip", "netns", "list"],
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
+        check=False,
+    )
+    return {line.split()[0] for line in done.stdout.splitlines() if line.strip()}
+
+
+def _kill_processes_in(namespace: str) -> None:
+    """SIGKILL what still runs in `namespace` (a crashed run's agents and programs)."""
+    done = subprocess.run(
+        ["ip", "netns", "pids", namespace],
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
+        check=False,
+    )
+    for pid in done.stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+class NetLab:
+    """The namespaces of one lab; `state` names the file that remembers them."""
+
+    def __init__(self, topology: Topology, state: Path) -> None:
+        self.topology = topology
+        self.state = state
+
+    # -- up ----------------------------------------------------------------------------------
+
+    def create(self) -> None:
+        """Clean what a previous run left, then build the lab; on failure, undo what was made."""
+        reason = missing_requirements()
+        if reason is not None:
+            raise NodusError(ErrorCode.INVALID, reason)
+        clean_leftovers(self.state)
+        t = self.topology
+        clashing = sorted(set(t.namespaces) & _existing_namespaces())
+        if clashing:
+            raise NodusError(
+                ErrorCode.CONFLICT,
+                f"network lab: namespaces {', '.join(clashing)} exist and are not this lab's "
+                "(another lab running, or made by hand); delete them with `ip netns del`",
+            )
+        self._remember()
+        try:
+            for namespace in t.namespaces:
+                _run(["ip", "netns", "add", namespace])
+            for argv in build_commands(t):
+                _run(argv)
+            for lan in t.lans:
+                if lan.nat:
+                    _run(
+                        ["ip", "netns", "exec", lan.router, "nft", "-f", "-"], stdin=nat_rules(lan)
+                    )
+        except BaseException:
+            self.destroy()
+            raise
+        log.info("network lab up: %d namespaces", len(t.namespaces))
+
+    def _remember(self) -> None:
+        self.state.parent.mkdir(parents=True, exist_ok=True)
+        record = {"namespaces": self.topology.namespaces, "host_link": self.topology.host_link}
+        self.state.write_text(json.dumps(record))
+
+    # -- down --------------------------------------------------------------------------------
+
+    def destroy(self) -> None:
+        clean_leftovers(self.state)
+
+    # -- running programs inside ---------------------------------------------------------------
+
+    def machine_argv(self, machine: str, argv: list[str]) -> list[str]:
+        """`argv` run as a process of `machine`: in its network namespace, with a mount
+        namespace of its own whose /var/run/wireguard is private, so each machine's `nodus0`
+        has its own control socket."""
+        namespace = self.topology.machines[machine]
+        return in_namespace(namespace, argv, private_wireguard=True)
+
+    def control_argv(self, argv: list[str]) -> list[str]:
+        return in_namespace(self.topology.control, argv)
+
+
+def in_namespace(namespace: str, argv: list[str], private_wireguard: bool = False) -> list[str]:
+    if not private_wireguard:
+        return ["ip", "netns", "exec", namespace, *argv]
+    # `ip netns exec` runs in a mount namespace of its own already (slave to the host's), so
+    # a tmpfs mounted there is seen by this process tree only.
+    script = (
+        'mkdir -p /var/run/wireguard && mount -t tmpfs nodus-wg /var/run/wireguard && exec "$@"'
+    )
+    return ["ip", "netns", "exec", namespace, "sh", "-c", script, "sh", *argv]
+
+
+def clean_leftovers(state: Path) -> None:
+    """Remove what the lab recorded in `state`: processes, namespaces, the host's link."""
+    try:
+        record = json.loads(state.read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as error:
+        log.warning("network lab state %s unreadable (%s): removing it", state, error)
+        state.unlink(missing_ok=True)
+        return
+    namespaces = [n for n in record.get("namespaces", []) if isinstance(n, str)]
+    existing = _existing_namespaces()
+    for namespace in namespaces:
+        if namespace in existing:
+            _kill_processes_in(namespace)
+    for namespace in namespaces:
+        if namespace in existing:
+            for attempt in range(20):  # busy while killed processes still hold it
+                done = subprocess.run(
+                    ["ip", "netns", "del", namespace],
+                    capture_output=True,
+                    timeout=COMMAND_TIMEOUT,
+                    check=False,
+                )
+                if done.returncode == 0:
+                    break
+                time.sleep(0.05 * (attempt + 1))
+            else:
+                log.warning("network lab: could not delete namespace %s", namespace)
+    host_link = record.get("host_link")
+    if isinstance(host_link, str):  # gone with its peer, unless the control namespace was not made
+        subprocess.run(
+            ["ip", "link", "del", host_link],
+            capture_output=True,
+            timeout=COMMAND_TIMEOUT,
+            check=False,
+        )
+    state.unlink(missing_ok=True)

@@ -1,0 +1,218 @@
+"""The network-namespace lab with real packets: machines of two providers reach each other,
+a machine behind NAT is seen at its router's address and cannot be reached at its own, a
+private network carries its members only, the control plane is reachable from every machine
+and from the host, and everything the lab made is gone after it stops (or crashed)."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from app.netlab import CONTROL_ADDRESS, NetLab, in_namespace, missing_requirements, plan
+from app.netlab.lab import _existing_namespaces
+from libs.contracts.base import convert
+from libs.contracts.errors import NodusError
+from libs.contracts.fleet import Fleet
+
+pytestmark = pytest.mark.skipif(
+    missing_requirements() is not None, reason=str(missing_requirements())
+)
+
+ACCELERATORS = {"count": 1, "backend": "cuda", "model": "L4"}
+
+
+def _machine(
+    name: str, provider: str, region: str, address: str, **extra: object
+) -> dict[str, object]:
+    return {
+        "name": name,
+        "provider": provider,
+        "region": region,
+        "regionClass": "us",
+        "offering": "vm",
+        "address": address,
+        "pool": "p",
+        "cluster": "c",
+        "accelerators": ACCELERATORS,
+        **extra,
+    }
+
+
+FLEET = convert(
+    {
+        "machines": [
+            _machine(
+                "aws-a",
+                "aws",
+                "us-east-1",
+                "198.18.1.1",
+                privateNetwork="vpc",
+                privateAddress="198.18.100.1",
+                privateInterface="ens5",
+            ),
+            _machine(
+                "aws-b",
+                "aws",
+                "us-east-1",
+                "198.18.1.2",
+                privateNetwork="vpc",
+                privateAddress="198.18.100.2",
+                privateInterface="ens5",
+            ),
+            _machine("lambda-a", "lambda", "us-west-1", "198.18.2.1"),
+            _machine("home-a", "home", "us-west-1", "198.19.3.1", nat=True),
+            _machine("home-b", "home", "us-west-1", "198.19.3.2", nat=True),
+        ]
+    },
+    Fleet,
+)
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[NetLab]:
+    netlab = NetLab(plan(FLEET, prefix=f"nt{secrets.token_hex(2)}-"), tmp_path / "lab.json")
+    netlab.create()
+    try:
+        yield netlab
+    finally:
+        netlab.destroy()
+
+
+def _python(argv_prefix: list[str], code: str, timeout: float = 10.0) -> str:
+    done = subprocess.run(
+        [*argv_prefix, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+LISTEN = """
+import socket, sys
+s = socket.create_server(("{host}", {port}))
+print("ready", flush=True)
+s.settimeout(8)
+conn, peer = s.accept()
+print(peer[0], flush=True)
+"""
+
+CONNECT = """
+import socket, sys
+try:
+    socket.create_connection(("{host}", {port}), timeout={timeout}).close()
+    print("connected")
+except OSError as error:
+    print("refused" if isinstance(error, ConnectionRefusedError) else "unreachable")
+"""
+
+
+def _seen_by(
+    listener: list[str], host: str, client: list[str], target: str, port: int = 7000
+) -> str:
+    """Connect from `client` to `target`; the address the listener saw, or how it failed."""
+    server = subprocess.Popen(
+        [*listener, sys.executable, "-c", LISTEN.format(host=host, port=port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        outcome = _python(client, CONNECT.format(host=target, port=port, timeout=1.5))
+        if outcome != "connected":
+            return outcome
+        return server.stdout.readline().strip()
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_machines_of_two_providers_reach_each_other_at_their_addresses(lab: NetLab) -> None:
+    aws, lam = (lab.machine_argv(m, []) for m in ("aws-a", "lambda-a"))
+    assert _seen_by(lam, "198.18.2.1", aws, "198.18.2.1") == "198.18.1.1"
+    assert _seen_by(aws, "198.18.1.1", lam, "198.18.1.1") == "198.18.2.1"
+
+
+def test_a_machine_behind_nat_is_seen_at_its_router_and_unreachable_at_its_own_address(
+    lab: NetLab,
+) -> None:
+    home, lam = (lab.machine_argv(m, []) for m in ("home-a", "lambda-a"))
+    [router] = [lan for lan in lab.topology.lans if lan.nat]
+    assert _seen_by(lam, "198.18.2.1", home, "198.18.2.1") == str(router.uplink)
+    assert _seen_by(home, "198.19.3.1", lam, "198.19.3.1") == "unreachable"
+    # Behind the same NAT, the LAN itself is open.
+    assert (
+        _seen_by(home, "198.19.3.1", lab.machine_argv("home-b", []), "198.19.3.1") == "198.19.3.2"
+    )
+
+
+def test_a_private_network_carries_its_members_only(lab: NetLab) -> None:
+    a, b, lam = (lab.machine_argv(m, []) for m in ("aws-a", "aws-b", "lambda-a"))
+    assert _seen_by(b, "198.18.100.2", a, "198.18.100.2") == "198.18.100.1"
+    assert _seen_by(b, "198.18.100.2", lam, "198.18.100.2") == "unreachable"
+
+
+def test_the_control_plane_is_reachable_from_every_machine_and_from_the_host(lab: NetLab) -> None:
+    control = in_namespace(lab.topology.control, [])
+    for machine in lab.topology.machines:
+        seen = _seen_by(
+            control, str(CONTROL_ADDRESS), lab.machine_argv(machine, []), str(CONTROL_ADDRESS)
+        )
+        assert seen != "unreachable", machine
+    assert _seen_by(control, str(CONTROL_ADDRESS), [], str(CONTROL_ADDRESS)) == "198.18.255.253"
+
+
+def test_each_machine_has_its_own_wireguard_control_directory(lab: NetLab) -> None:
+    marker = f"/var/run/wireguard/nodus0-{secrets.token_hex(3)}.sock"
+    write = f"open({marker!r}, 'w').close(); import os; print(os.path.exists({marker!r}))"
+    look = f"import os; print(os.path.exists({marker!r}))"
+    assert _python(lab.machine_argv("aws-a", []), write) == "True"
+    assert _python(lab.machine_argv("aws-b", []), look) == "False"
+    assert not Path(marker).exists()
+
+
+def test_a_crashed_lab_is_cleaned_at_the_next_start_and_nothing_is_left_after_it_stops(
+    tmp_path: Path,
+) -> None:
+    topology = plan(FLEET, prefix=f"nt{secrets.token_hex(2)}-")
+    state = tmp_path / "lab.json"
+    crashed = NetLab(topology, state)
+    crashed.create()
+    # A process left running in a machine (an agent of the crashed run).
+    leftover = subprocess.Popen(crashed.machine_argv("aws-a", ["sleep", "60"]))
+    again = NetLab(topology, state)  # the next `nodus up`: same state file, no destroy between
+    again.create()
+    assert leftover.wait(timeout=5) != 0  # killed by the clean-up
+    assert set(topology.namespaces) <= _existing_namespaces()
+    again.destroy()
+    assert not set(topology.namespaces) & _existing_namespaces()
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    assert topology.host_link not in links
+    assert not state.exists()
+
+
+def test_a_fleet_the_lab_cannot_build_is_refused_with_what_to_change() -> None:
+    outside = convert({"machines": [_machine("x", "aws", "r", "10.0.0.1")]}, Fleet)
+    with pytest.raises(NodusError, match=r"10\.0\.0\.1 is outside 198\.18\.0\.0/15"):
+        plan(outside)
+    split = convert(
+        {
+            "machines": [
+                _machine("x", "aws", "r", "198.18.1.1"),
+                _machine("y", "aws", "r", "198.18.2.1"),
+            ]
+        },
+        Fleet,
+    )
+    with pytest.raises(NodusError, match=r"aws r \(x, y\) spans .*share one /24"):
+        plan(split)
+    router = convert({"machines": [_machine("x", "aws", "r", "198.18.1.254")]}, Fleet)
+    with pytest.raises(NodusError, match="kept for the network, broadcast or router"):
+        plan(router)
