@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import secrets
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from app.netlab.lab import _existing_namespaces
 from libs.contracts.base import convert
 from libs.contracts.errors import NodusError
 from libs.contracts.fleet import Fleet
+from tests.integration.lab_programs import run_python, seen_by
 
 pytestmark = pytest.mark.skipif(
     missing_requirements() is not None, reason=str(missing_requirements())
@@ -83,61 +83,10 @@ def lab(tmp_path: Path) -> Iterator[NetLab]:
         netlab.destroy()
 
 
-def _python(argv_prefix: list[str], code: str, timeout: float = 10.0) -> str:
-    done = subprocess.run(
-        [*argv_prefix, sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
-
-
-LISTEN = """
-import socket, sys
-s = socket.create_server(("{host}", {port}))
-print("ready", flush=True)
-s.settimeout(8)
-conn, peer = s.accept()
-print(peer[0], flush=True)
-"""
-
-CONNECT = """
-import socket, sys
-try:
-    socket.create_connection(("{host}", {port}), timeout={timeout}).close()
-    print("connected")
-except OSError as error:
-    print("refused" if isinstance(error, ConnectionRefusedError) else "unreachable")
-"""
-
-
-def _seen_by(
-    listener: list[str], host: str, client: list[str], target: str, port: int = 7000
-) -> str:
-    """Connect from `client` to `target`; the address the listener saw, or how it failed."""
-    server = subprocess.Popen(
-        [*listener, sys.executable, "-c", LISTEN.format(host=host, port=port)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        outcome = _python(client, CONNECT.format(host=target, port=port, timeout=1.5))
-        if outcome != "connected":
-            return outcome
-        return server.stdout.readline().strip()
-    finally:
-        server.kill()
-        server.wait()
-
-
 def test_machines_of_two_providers_reach_each_other_at_their_addresses(lab: NetLab) -> None:
     aws, lam = (lab.machine_argv(m, []) for m in ("aws-a", "lambda-a"))
-    assert _seen_by(lam, "198.18.2.1", aws, "198.18.2.1") == "198.18.1.1"
-    assert _seen_by(aws, "198.18.1.1", lam, "198.18.1.1") == "198.18.2.1"
+    assert seen_by(lam, "198.18.2.1", aws, "198.18.2.1") == "198.18.1.1"
+    assert seen_by(aws, "198.18.1.1", lam, "198.18.1.1") == "198.18.2.1"
 
 
 def test_a_machine_behind_nat_is_seen_at_its_router_and_unreachable_at_its_own_address(
@@ -145,36 +94,34 @@ def test_a_machine_behind_nat_is_seen_at_its_router_and_unreachable_at_its_own_a
 ) -> None:
     home, lam = (lab.machine_argv(m, []) for m in ("home-a", "lambda-a"))
     [router] = [lan for lan in lab.topology.lans if lan.nat]
-    assert _seen_by(lam, "198.18.2.1", home, "198.18.2.1") == str(router.uplink)
-    assert _seen_by(home, "198.19.3.1", lam, "198.19.3.1") == "unreachable"
+    assert seen_by(lam, "198.18.2.1", home, "198.18.2.1") == str(router.uplink)
+    assert seen_by(home, "198.19.3.1", lam, "198.19.3.1") == "unreachable"
     # Behind the same NAT, the LAN itself is open.
-    assert (
-        _seen_by(home, "198.19.3.1", lab.machine_argv("home-b", []), "198.19.3.1") == "198.19.3.2"
-    )
+    assert seen_by(home, "198.19.3.1", lab.machine_argv("home-b", []), "198.19.3.1") == "198.19.3.2"
 
 
 def test_a_private_network_carries_its_members_only(lab: NetLab) -> None:
     a, b, lam = (lab.machine_argv(m, []) for m in ("aws-a", "aws-b", "lambda-a"))
-    assert _seen_by(b, "198.18.100.2", a, "198.18.100.2") == "198.18.100.1"
-    assert _seen_by(b, "198.18.100.2", lam, "198.18.100.2") == "unreachable"
+    assert seen_by(b, "198.18.100.2", a, "198.18.100.2") == "198.18.100.1"
+    assert seen_by(b, "198.18.100.2", lam, "198.18.100.2") == "unreachable"
 
 
 def test_the_control_plane_is_reachable_from_every_machine_and_from_the_host(lab: NetLab) -> None:
     control = in_namespace(lab.topology.control, [])
     for machine in lab.topology.machines:
-        seen = _seen_by(
+        seen = seen_by(
             control, str(CONTROL_ADDRESS), lab.machine_argv(machine, []), str(CONTROL_ADDRESS)
         )
         assert seen != "unreachable", machine
-    assert _seen_by(control, str(CONTROL_ADDRESS), [], str(CONTROL_ADDRESS)) == "198.18.255.253"
+    assert seen_by(control, str(CONTROL_ADDRESS), [], str(CONTROL_ADDRESS)) == "198.18.255.253"
 
 
 def test_each_machine_has_its_own_wireguard_control_directory(lab: NetLab) -> None:
     marker = f"/var/run/wireguard/nodus0-{secrets.token_hex(3)}.sock"
     write = f"open({marker!r}, 'w').close(); import os; print(os.path.exists({marker!r}))"
     look = f"import os; print(os.path.exists({marker!r}))"
-    assert _python(lab.machine_argv("aws-a", []), write) == "True"
-    assert _python(lab.machine_argv("aws-b", []), look) == "False"
+    assert run_python(lab.machine_argv("aws-a", []), write) == "True"
+    assert run_python(lab.machine_argv("aws-b", []), look) == "False"
     assert not Path(marker).exists()
 
 

@@ -1,0 +1,165 @@
+"""`nodus0` on two lab machines of different providers: wireguard-go devices made by the
+agent's `Nodus0`, configured over UAPI, carry a TCP transfer between the mesh addresses
+intact; the device reports the handshake and the bytes; after close the device is gone."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from app.netlab import NetLab, missing_requirements, plan
+from libs.contracts.base import convert
+from libs.contracts.fleet import Fleet
+from libs.wg import generate_private_key, public_key
+from tests.integration.lab_programs import run_python
+
+REPO = Path(__file__).resolve().parents[2]
+reason = missing_requirements() or (None if shutil.which("wireguard-go") else "no wireguard-go")
+pytestmark = pytest.mark.skipif(reason is not None, reason=str(reason))
+
+FLEET = convert(
+    {
+        "machines": [
+            {
+                "name": name,
+                "provider": provider,
+                "region": "r1",
+                "regionClass": "us",
+                "offering": "vm",
+                "address": address,
+                "pool": "p",
+                "cluster": "c",
+                "accelerators": {"count": 1, "backend": "cuda", "model": "L4"},
+            }
+            for name, provider, address in (
+                ("aws-a", "aws", "198.18.1.1"),
+                ("lambda-a", "lambda", "198.18.2.1"),
+            )
+        ]
+    },
+    Fleet,
+)
+
+# A member's side: nodus0 up with its key and its peer, until stdin closes; then its state.
+MEMBER = """
+import asyncio, json, sys
+from libs.wg.uapi import DeviceConfig, PeerConfig
+from services.agent.nodus0 import Nodus0, device_exists
+
+async def main(private, address, peer_key, peer_address, peer_endpoint):
+    device = Nodus0()
+    await device.create(address, 10)
+    await device.configure(DeviceConfig(
+        private_key=bytes.fromhex(private), listen_port=51820,
+        peers=(PeerConfig(bytes.fromhex(peer_key), (peer_address + "/32",), peer_endpoint, 5),),
+    ))
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    state = await device.state()
+    [peer] = state.peers.values()
+    await device.close()
+    print(json.dumps({"handshake": peer.last_handshake, "rx": peer.rx_bytes, "tx": peer.tx_bytes,
+                      "port": state.listen_port, "gone": not device_exists("nodus0")}), flush=True)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+SINK = """
+import hashlib, socket
+s = socket.create_server(("100.64.0.2", 7000))
+print("ready", flush=True)
+s.settimeout(10)
+conn, _ = s.accept()
+digest, size = hashlib.sha256(), 0
+while chunk := conn.recv(1 << 16):
+    digest.update(chunk); size += len(chunk)
+print(size, digest.hexdigest(), flush=True)
+"""
+
+SOURCE = """
+import socket, sys
+data = bytes.fromhex(sys.argv[1]) * 4096
+with socket.create_connection(("100.64.0.2", 7000), timeout=10) as s:
+    s.sendall(data)
+"""
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[NetLab]:
+    netlab = NetLab(plan(FLEET, prefix=f"nw{secrets.token_hex(2)}-"), tmp_path / "lab.json")
+    netlab.create()
+    try:
+        yield netlab
+    finally:
+        netlab.destroy()
+
+
+def _member(lab: NetLab, machine: str, *args: str) -> subprocess.Popen[str]:
+    process = subprocess.Popen(
+        lab.machine_argv(machine, [sys.executable, "-c", MEMBER, *args]),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+    )
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == "ready"
+    return process
+
+
+def test_two_machines_talk_over_nodus0_and_the_device_goes_when_closed(lab: NetLab) -> None:
+    a_key, b_key = generate_private_key(), generate_private_key()
+    a = _member(
+        lab,
+        "aws-a",
+        a_key.hex(),
+        "100.64.0.1",
+        public_key(b_key).hex(),
+        "100.64.0.2",
+        "198.18.2.1:51820",
+    )
+    b = _member(
+        lab,
+        "lambda-a",
+        b_key.hex(),
+        "100.64.0.2",
+        public_key(a_key).hex(),
+        "100.64.0.1",
+        "198.18.1.1:51820",
+    )
+    sink = subprocess.Popen(
+        lab.machine_argv("lambda-a", [sys.executable, "-c", SINK]),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert sink.stdout is not None and sink.stdout.readline().strip() == "ready"
+        block = secrets.token_bytes(1024)  # 4 MiB in all
+        run_python(
+            lab.machine_argv("aws-a", []),
+            SOURCE.replace("sys.argv[1]", repr(block.hex())),
+            timeout=30,
+        )
+        size, digest = sink.stdout.readline().split()
+        assert int(size) == len(block) * 4096
+        assert digest == hashlib.sha256(block * 4096).hexdigest()
+    finally:
+        sink.kill()
+        sink.wait()
+    states = []
+    for member in (a, b):
+        out, _ = member.communicate(timeout=15)
+        states.append(json.loads(out.strip().splitlines()[-1]))
+    for state in states:
+        assert state["handshake"] > 0 and state["port"] == 51820 and state["gone"]
+    assert states[0]["tx"] > len(block) * 4096  # ciphertext and headers: more than the payload
+    assert states[1]["rx"] > len(block) * 4096
