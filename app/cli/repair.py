@@ -522,71 +522,69 @@ def _fault_clear(args: argparse.Namespace) -> int:
     return 0
 
 
+APPROVE = Command(
+    "approve",
+    "approve a pending repair (remediation or alert id)",
+    _approve_flags,
+    run_async(_approve),
+)
+CANCEL = Command(
+    "cancel", "cancel a repair that has not started", _cancel_flags, run_async(_cancel)
+)
+REPAIR = group(
+    "repair",
+    "external detectors: request a repair (R8)",
+    "repair_command",
+    [
+        Command(
+            "request",
+            "ask for a repair with evidence",
+            _repair_request_flags,
+            run_async(_repair_request),
+            description="Ask the remediator for a repair as an external detector: recorded as "
+            "such, idempotent on (detector, request id), Reboot, Reprovision or Migrate only; it "
+            "skips approval but passes the evidence gate, the capacity check, the budget and the "
+            "per-cluster cap.",
+        )
+    ],
+)
+BREAKER = group(
+    "breaker",
+    "a cluster's circuit breaker (R13)",
+    "breaker_command",
+    [
+        Command("get", "every cluster's breaker", _breaker_get_flags, run_async(_breaker_get)),
+        Command(
+            "reset",
+            "close it; what it held back stays with people (not replayed)",
+            _breaker_reset_flags,
+            run_async(_breaker_reset),
+        ),
+    ],
+)
+FAULT = group(
+    "fault",
+    "write a fault into a local machine's files (demos)",
+    "fault_command",
+    [
+        Command(
+            "inject",
+            "write a fault in its real format",
+            _fault_inject_flags,
+            _fault_inject,
+            description="Write a fault the way the kernel, dcgm-exporter, Node Problem Detector "
+            "or sysfs write it, into STATE_DIR/machines/NODE/. Kinds: "
+            + ", ".join(faults.KINDS)
+            + ".",
+        ),
+        Command("clear", "undo injected faults", _fault_clear_flags, _fault_clear),
+    ],
+)
+
+
 def commands() -> list[Command]:
-    """The repair commands in `nodus --help` order; `nodus policy` (app.cli.policy, which builds
-    on this module) among them."""
+    """The repair commands in `nodus --help` order, `nodus policy` among them (app.cli.policy
+    builds on this module, so it is imported here, not at the top)."""
     from app.cli.policy import POLICY
 
-    return [
-        Command(
-            "approve",
-            "approve a pending repair (remediation or alert id)",
-            _approve_flags,
-            run_async(_approve),
-        ),
-        Command(
-            "cancel", "cancel a repair that has not started", _cancel_flags, run_async(_cancel)
-        ),
-        POLICY,
-        group(
-            "repair",
-            "external detectors: request a repair (R8)",
-            "repair_command",
-            [
-                Command(
-                    "request",
-                    "ask for a repair with evidence",
-                    _repair_request_flags,
-                    run_async(_repair_request),
-                    description="Ask the remediator for a repair as an external detector: "
-                    "recorded as such, idempotent on (detector, request id), Reboot, Reprovision "
-                    "or Migrate only; it skips approval but passes the evidence gate, the "
-                    "capacity check, the budget and the per-cluster cap.",
-                )
-            ],
-        ),
-        group(
-            "breaker",
-            "a cluster's circuit breaker (R13)",
-            "breaker_command",
-            [
-                Command(
-                    "get", "every cluster's breaker", _breaker_get_flags, run_async(_breaker_get)
-                ),
-                Command(
-                    "reset",
-                    "close it; what it held back stays with people (not replayed)",
-                    _breaker_reset_flags,
-                    run_async(_breaker_reset),
-                ),
-            ],
-        ),
-        group(
-            "fault",
-            "write a fault into a local machine's files (demos)",
-            "fault_command",
-            [
-                Command(
-                    "inject",
-                    "write a fault in its real format",
-                    _fault_inject_flags,
-                    _fault_inject,
-                    description="Write a fault the way the kernel, dcgm-exporter, Node Problem "
-                    "Detector or sysfs write it, into STATE_DIR/machines/NODE/. Kinds: "
-                    + ", ".join(faults.KINDS)
-                    + ".",
-                ),
-                Command("clear", "undo injected faults", _fault_clear_flags, _fault_clear),
-            ],
-        ),
-    ]
+    return [APPROVE, CANCEL, POLICY, REPAIR, BREAKER, FAULT]
