@@ -1,0 +1,31 @@
+"""`nodus placer|agent|relay|prober|remediator|monitor`: run a service. Each service's module
+has `build_parser(parser)` (its flags; `--nats`, credentials and metrics from libs.runtime) and
+`run(args)`."""
+
+from __future__ import annotations
+
+from app.cli.common import Command
+from services.agent import main as agent
+from services.placer import main as placer
+from services.prober import main as prober
+from services.relay import main as relay
+from services.remediator import main as remediator
+from services.remediator import monitor
+
+JOB_DAEMONS = [
+    Command("placer", "daemon: admission and placement", placer.build_parser, placer.run),
+    Command("agent", "daemon: the per-machine agent", agent.build_parser, agent.run),
+    Command("relay", "daemon: a relay for Relayed gangs", relay.build_parser, relay.run),
+    Command(
+        "prober",
+        "daemon: probes, qualification, the gang's run",
+        prober.build_parser,
+        prober.run,
+    ),
+]
+REPAIR_DAEMONS = [
+    Command("remediator", "daemon: automated node repair", remediator.build_parser, remediator.run),
+    Command(
+        "monitor", "daemon: the fault detectors of machines", monitor.build_parser, monitor.run
+    ),
+]

@@ -1,0 +1,109 @@
+"""`nodus up` (the whole system on this machine), `nodus demo` and `nodus schema`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from pathlib import Path
+
+import msgspec
+
+from app.cli.common import Command, run_async
+
+
+def _up_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fleet", type=Path, help="fleet file (default: examples/fleet.yaml)")
+    parser.add_argument("--nats-port", type=int, default=4222, help="NATS port (default 4222)")
+    parser.add_argument("--state-dir", type=Path, default=Path(".nodus"), help="default .nodus")
+    parser.add_argument("--placers", type=int, default=1, help="placer replicas (default 1)")
+
+
+async def _up(args: argparse.Namespace) -> int:
+    from app.local import DEFAULT_FLEET, LocalSystem
+
+    system = LocalSystem(
+        fleet_path=args.fleet or DEFAULT_FLEET,
+        state_dir=args.state_dir,
+        nats_port=args.nats_port,
+        placers=args.placers,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await system.start()
+        assert system.fleet is not None
+        print(f"NODUS_NATS_URL={system.url}", flush=True)
+        print(
+            f"# {len(system.fleet.machines)} machines, {args.placers} placer(s); "
+            f"logs in {args.state_dir / 'logs'}; Ctrl-C stops everything",
+            file=sys.stderr,
+            flush=True,
+        )
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+            except TimeoutError:
+                for name, code in system.restart_exited_relays():
+                    print(f"# {name} exited ({code}); started it again", file=sys.stderr)
+                system._check_children()
+    finally:
+        system.stop()
+    return 0
+
+
+def _demo_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        help="keep the system's files (logs/ included) here; default: a temporary directory",
+    )
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    from app.demo import run_demo
+
+    return await run_demo(args.state_dir)
+
+
+def _schema_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", nargs="?", help="one schema (Job, Fleet, Epoch, ...)")
+
+
+def _schema(args: argparse.Namespace) -> int:
+    import libs.contracts as contracts
+    from libs.contracts.base import Record
+
+    kinds = {
+        name: kind
+        for name in contracts.__all__
+        if isinstance(kind := getattr(contracts, name), type) and issubclass(kind, Record)
+    }
+    if args.name:
+        if args.name not in kinds:
+            print(
+                f"error: no schema {args.name!r}; one of {', '.join(sorted(kinds))}",
+                file=sys.stderr,
+            )
+            return 2
+        print(json.dumps(msgspec.json.schema(kinds[args.name]), indent=2))
+        return 0
+    _, components = msgspec.json.schema_components(list(kinds.values()))
+    print(json.dumps(components, indent=2))
+    return 0
+
+
+LOCAL = [
+    Command("up", "run the whole system on this machine until Ctrl-C", _up_flags, run_async(_up)),
+    Command(
+        "demo",
+        "the main job end to end on the embedded fleet, then exit",
+        _demo_flags,
+        run_async(_demo),
+    ),
+]
+SCHEMA = Command("schema", "JSON Schemas of every record and message", _schema_flags, _schema)
