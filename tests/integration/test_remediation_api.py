@@ -147,7 +147,9 @@ async def test_external_cap_and_capacity(fleet: Fleet) -> None:
     )
 
     async def seen() -> bool:
-        return all(n in fleet.remediators[0][0].cordons for n in (f"gpu-{i}" for i in range(5, 10)))
+        return all(
+            n in fleet.remediators[0][0].store.cordons for n in (f"gpu-{i}" for i in range(5, 10))
+        )
 
     await fleet.until(seen, scan=False)
     with pytest.raises(NodusError) as caught:

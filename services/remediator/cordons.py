@@ -1,0 +1,99 @@
+"""Cordons the remediator places and lifts (R13, R15): its own hold while a repair is approved
+or under way, the retired hold of a deleted machine. It never lifts a hold that someone else
+placed."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import msgspec
+
+from libs.contracts.remediation import (
+    Action,
+    AlertState,
+    Cordon,
+    CordonHold,
+    Remediation,
+    RemediationState,
+)
+from services.remediator.store import Store
+
+REMEDIATOR_HOLD = "remediator"  # the remediator's cordon hold; it never lifts anyone else's
+RETIRED_HOLD = "retired"
+
+
+class Cordons:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def retired(self, node: str) -> bool:
+        cordon = self.store.cordons.get(node)
+        return cordon is not None and RETIRED_HOLD in cordon.value.holds
+
+    async def hold(self, rem: Remediation, now: datetime) -> None:
+        hold = CordonHold(
+            by=REMEDIATOR_HOLD,
+            reason=f"{rem.action.value} by remediation {rem.id}",
+            time=now,
+            remediation_id=rem.id,
+        )
+
+        def change(current: Cordon | None) -> Cordon | None:
+            cordon = current or Cordon(node=rem.node)
+            if cordon.holds.get(REMEDIATOR_HOLD, None) == hold or (
+                (held := cordon.holds.get(REMEDIATOR_HOLD)) and held.remediation_id == rem.id
+            ):
+                return None
+            return msgspec.structs.replace(cordon, holds={**cordon.holds, REMEDIATOR_HOLD: hold})
+
+        await self.store.mutate(self.store.cordon_bucket, self.store.cordons, rem.node, change)
+
+    async def hold_forever(self, rem: Remediation, now: datetime) -> None:
+        hold = CordonHold(
+            by=RETIRED_HOLD,
+            reason=f"retired by remediation {rem.id}",
+            time=now,
+            remediation_id=rem.id,
+        )
+
+        def change(current: Cordon | None) -> Cordon | None:
+            cordon = current or Cordon(node=rem.node)
+            if RETIRED_HOLD in cordon.holds:
+                return None
+            return msgspec.structs.replace(cordon, holds={**cordon.holds, RETIRED_HOLD: hold})
+
+        await self.store.mutate(self.store.cordon_bucket, self.store.cordons, rem.node, change)
+
+    async def lift(self, node: str) -> None:
+        """Lifts the remediator's own hold only, and only when no approved repair of the node
+        still needs it; holds placed by anyone else stay."""
+        if any(r.state is not RemediationState.PENDING for r in self.store.active_of(node)):
+            return
+
+        def change(current: Cordon | None) -> Cordon | None:
+            if current is None or REMEDIATOR_HOLD not in current.holds:
+                return None
+            holds = {k: v for k, v in current.holds.items() if k != REMEDIATOR_HOLD}
+            return msgspec.structs.replace(current, holds=holds)
+
+        await self.store.mutate(self.store.cordon_bucket, self.store.cordons, node, change)
+
+    async def lift_if_healthy(self, node: str) -> None:
+        """A hold kept after a failed repair goes once the node has no active repair and no
+        firing alert that needs one."""
+        cordon = self.store.cordons.get(node)
+        if (
+            cordon is None
+            or REMEDIATOR_HOLD not in cordon.value.holds
+            or self.store.active_of(node)
+        ):
+            return
+        for aid in self.store.alerts_of.get(node, set()):
+            alert = self.store.alerts.get(aid)
+            if (
+                alert is not None
+                and alert.value.state is AlertState.FIRING
+                and alert.value.action is not Action.NONE
+            ):
+                return
+        await self.lift(node)
