@@ -26,7 +26,7 @@ from libs.contracts.remediation import (
 )
 from services.remediator import guardrails, lifecycle, metrics
 from services.remediator.breakers import Breakers
-from services.remediator.decide import effective_action, has_failed_check
+from services.remediator.decide import effective_action, has_critical, has_failed_check
 from services.remediator.lifecycle import remediation_id
 from services.remediator.provider import MachineProvider
 from services.remediator.slots import Slots
@@ -66,6 +66,17 @@ class Api:
         self.store.rems.apply(found.key, found.value, found.revision)
         return found
 
+    async def _change(
+        self, rid: str, change: Callable[[Remediation | None], Remediation | None]
+    ) -> RemediationReply:
+        """A person's change of a remediation, told; the record as it stands is the answer."""
+        written = await self.store.mutate(self.store.rem_bucket, self.store.rems, rid, change)
+        rem = written.value if written else self.store.rems[rid].value
+        if written is not None:
+            self.store.rem_event(rem, written.revision)
+        self.store.wake(rem.node)
+        return RemediationReply(remediation=rem)
+
     async def approve(self, request: ApproveRequest) -> RemediationReply:
         now = self.clock()
         rid = (await self._find(request.id)).key
@@ -83,12 +94,7 @@ class Api:
                 )
             return lifecycle.approve(rem, approver, now)
 
-        written = await self.store.mutate(self.store.rem_bucket, self.store.rems, rid, change)
-        rem = written.value if written else self.store.rems[rid].value
-        if written is not None:
-            self.store.rem_event(rem, written.revision)
-        self.store.wake(rem.node)
-        return RemediationReply(remediation=rem)
+        return await self._change(rid, change)
 
     async def cancel(self, request: CancelRequest) -> RemediationReply:
         rid = (await self._find(request.id)).key
@@ -109,12 +115,7 @@ class Api:
             )
             return lifecycle.finish(rem, Outcome.CANCELLED, now, request.by, reason)
 
-        written = await self.store.mutate(self.store.rem_bucket, self.store.rems, rid, change)
-        rem = written.value if written else self.store.rems[rid].value
-        if written is not None:
-            self.store.rem_event(rem, written.revision)
-        self.store.wake(rem.node)
-        return RemediationReply(remediation=rem)
+        return await self._change(rid, change)
 
     async def reset_breaker(self, request: BreakerResetRequest) -> BreakerReply:
         breaker = await self.breakers.reset(request.cluster, request.by, self.clock())
@@ -155,62 +156,13 @@ class Api:
         return RemediationReply(remediation=rem, created=True)
 
     def _external(self, request: RepairRequest, rid: str, now: datetime) -> Remediation:
-        if request.action not in EXTERNAL_ACTIONS:
-            raise NodusError(
-                ErrorCode.INVALID,
-                f"external detectors may ask Reboot, Reprovision or Migrate, not "
-                f"{request.action.value}: delete is always a person's decision (R8)",
-                field="$.action",
-            )
-        if any(e.node != request.node for e in request.evidence):
-            raise NodusError(
-                ErrorCode.INVALID,
-                "every piece of evidence must be about the one target node (one target per repair)",
-                field="$.evidence",
-            )
-        if not has_failed_check(request.evidence):
-            raise NodusError(
-                ErrorCode.INVALID,
-                "no failed health check in the evidence (raw lines or values, and not "
-                "NotReady alone): no repair without one (R3)",
-                field="$.evidence",
-            )
+        _check_request(request)
         record = self.store.nodes.get(request.node)
         if record is None:
             raise NodusError(ErrorCode.NOT_FOUND, f"node {request.node} is not registered")
         cluster, pool = record.value.inventory.cluster, record.value.inventory.pool
-        externals = [
-            r.value
-            for r in self.store.rems.values()
-            if r.value.active
-            and r.value.cluster == cluster
-            and r.value.requester.kind == "external"
-        ]
-        if len(externals) >= self.settings.external_cap:
-            raise NodusError(
-                ErrorCode.CONFLICT,
-                f"cluster {cluster} already has {len(externals)} external repairs under way "
-                f"(per-cluster cap {self.settings.external_cap})",
-            )
-        size = self.store.cluster_size(cluster)
-        out = {
-            r.value.node
-            for r in self.store.rems.values()
-            if r.value.active and r.value.cluster == cluster
-        } | {
-            key
-            for key, c in self.store.cordons.items()
-            if c.value.holds and key in self.store.clusters.get(cluster, set())
-        }
-        if (
-            size
-            and (size - len(out | {request.node})) / size < self.settings.min_available_fraction
-        ):
-            raise NodusError(
-                ErrorCode.CONFLICT,
-                f"capacity check: cluster {cluster} would keep fewer than "
-                f"{self.settings.min_available_fraction:.0%} of its {size} nodes in service",
-            )
+        self._check_cap(cluster)
+        self._check_capacity(cluster, request.node)
         # R11 looks at the node's own critical alerts too.
         critical = [e for a in self.store.firing_of(request.node) for e in a.evidence]
         action, r11 = effective_action(request.action, [*request.evidence, *critical])
@@ -238,9 +190,7 @@ class Api:
             approver=Approver(kind="policy", name="policy", rule=reason),
             rule=rule,
             evidence=request.evidence,
-            severity="critical"
-            if any(e.severity == "critical" for e in request.evidence)
-            else "warning",
+            severity="critical" if has_critical(request.evidence) else "warning",
             created_time=now,
             approved_time=now,
             history=[
@@ -251,4 +201,64 @@ class Api:
                     reason=reason,
                 )
             ],
+        )
+
+    def _check_cap(self, cluster: str) -> None:
+        """R8: at most `external_cap` external repairs under way per cluster."""
+        externals = [
+            r.value
+            for r in self.store.rems.values()
+            if r.value.active
+            and r.value.cluster == cluster
+            and r.value.requester.kind == "external"
+        ]
+        if len(externals) >= self.settings.external_cap:
+            raise NodusError(
+                ErrorCode.CONFLICT,
+                f"cluster {cluster} already has {len(externals)} external repairs under way "
+                f"(per-cluster cap {self.settings.external_cap})",
+            )
+
+    def _check_capacity(self, cluster: str, node: str) -> None:
+        """The capacity check: the cluster keeps `min_available_fraction` of its nodes in
+        service (not under repair, not cordoned) with this one out too."""
+        size = self.store.cluster_size(cluster)
+        out = {
+            r.value.node
+            for r in self.store.rems.values()
+            if r.value.active and r.value.cluster == cluster
+        } | {
+            key
+            for key, c in self.store.cordons.items()
+            if c.value.holds and key in self.store.clusters.get(cluster, set())
+        }
+        if size and (size - len(out | {node})) / size < self.settings.min_available_fraction:
+            raise NodusError(
+                ErrorCode.CONFLICT,
+                f"capacity check: cluster {cluster} would keep fewer than "
+                f"{self.settings.min_available_fraction:.0%} of its {size} nodes in service",
+            )
+
+
+def _check_request(request: RepairRequest) -> None:
+    """What an external detector may ask (R8), about one target, with a failed check (R3)."""
+    if request.action not in EXTERNAL_ACTIONS:
+        raise NodusError(
+            ErrorCode.INVALID,
+            f"external detectors may ask Reboot, Reprovision or Migrate, not "
+            f"{request.action.value}: delete is always a person's decision (R8)",
+            field="$.action",
+        )
+    if any(e.node != request.node for e in request.evidence):
+        raise NodusError(
+            ErrorCode.INVALID,
+            "every piece of evidence must be about the one target node (one target per repair)",
+            field="$.evidence",
+        )
+    if not has_failed_check(request.evidence):
+        raise NodusError(
+            ErrorCode.INVALID,
+            "no failed health check in the evidence (raw lines or values, and not "
+            "NotReady alone): no repair without one (R3)",
+            field="$.evidence",
         )

@@ -4,6 +4,7 @@ placed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 
 import msgspec
@@ -31,36 +32,34 @@ class Cordons:
         return cordon is not None and RETIRED_HOLD in cordon.value.holds
 
     async def hold(self, rem: Remediation, now: datetime) -> None:
-        hold = CordonHold(
-            by=REMEDIATOR_HOLD,
-            reason=f"{rem.action.value} by remediation {rem.id}",
-            time=now,
-            remediation_id=rem.id,
+        """The remediator's hold for this repair (one at a time: it replaces an older one)."""
+        reason = f"{rem.action.value} by remediation {rem.id}"
+        await self._place(
+            rem, REMEDIATOR_HOLD, reason, now, lambda held: held.remediation_id == rem.id
         )
-
-        def change(current: Cordon | None) -> Cordon | None:
-            cordon = current or Cordon(node=rem.node)
-            if cordon.holds.get(REMEDIATOR_HOLD, None) == hold or (
-                (held := cordon.holds.get(REMEDIATOR_HOLD)) and held.remediation_id == rem.id
-            ):
-                return None
-            return msgspec.structs.replace(cordon, holds={**cordon.holds, REMEDIATOR_HOLD: hold})
-
-        await self.store.mutate(self.store.cordon_bucket, self.store.cordons, rem.node, change)
 
     async def hold_forever(self, rem: Remediation, now: datetime) -> None:
-        hold = CordonHold(
-            by=RETIRED_HOLD,
-            reason=f"retired by remediation {rem.id}",
-            time=now,
-            remediation_id=rem.id,
-        )
+        """The retired hold of a deleted machine; the first one stays."""
+        reason = f"retired by remediation {rem.id}"
+        await self._place(rem, RETIRED_HOLD, reason, now, lambda held: True)
+
+    async def _place(
+        self,
+        rem: Remediation,
+        by: str,
+        reason: str,
+        now: datetime,
+        kept: Callable[[CordonHold], bool],
+    ) -> None:
+        """Places the hold `by` on the repair's node unless the hold there is `kept`."""
+        hold = CordonHold(by=by, reason=reason, time=now, remediation_id=rem.id)
 
         def change(current: Cordon | None) -> Cordon | None:
             cordon = current or Cordon(node=rem.node)
-            if RETIRED_HOLD in cordon.holds:
+            held = cordon.holds.get(by)
+            if held is not None and kept(held):
                 return None
-            return msgspec.structs.replace(cordon, holds={**cordon.holds, RETIRED_HOLD: hold})
+            return msgspec.structs.replace(cordon, holds={**cordon.holds, by: hold})
 
         await self.store.mutate(self.store.cordon_bucket, self.store.cordons, rem.node, change)
 

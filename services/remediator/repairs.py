@@ -63,16 +63,12 @@ class Repairs:
                 (a := self.store.alerts.get(i)) is not None and a.value.state is AlertState.FIRING
                 for i in rem.alert_ids
             ):
-                await self.store.write(
+                await self._finish(
                     current,
-                    lifecycle.finish(
-                        rem,
-                        Outcome.SELF_RESOLVED,
-                        now,
-                        self.replica,
-                        "its alert cleared before the repair started: the recommendation "
-                        "disappeared with it (R13)",
-                    ),
+                    Outcome.SELF_RESOLVED,
+                    now,
+                    "its alert cleared before the repair started: the recommendation "
+                    "disappeared with it (R13)",
                 )
                 return
             if rem.state is not RemediationState.PENDING and self.breakers.holds_back(rem):
@@ -128,38 +124,7 @@ class Repairs:
         if not idle.go:
             await self._wait(current, "idle", idle.reason)
             return
-        last: datetime | None = None
-        for other_id in self.store.rems_of.get(rem.node, set()):
-            other = self.store.rems.get(other_id)
-            if other is None or other.key == rem.id or other.value.finished_time is None:
-                continue
-            if other.value.outcome in (Outcome.DONE, Outcome.FAILED):
-                if last is None or other.value.finished_time > last:
-                    last = other.value.finished_time
-        until = guardrails.cooldown_until(last, self.settings)
-        if until is not None and now < until:
-            await self._wait(
-                current,
-                "cooldown",
-                f"cooldown after the last repair of {rem.node} until {until:%Y-%m-%dT%H:%M:%S}Z",
-            )
-            return
-        if not await self.provider.has_capacity(rem.node, rem.action):
-            await self._wait(current, "capacity", f"no capacity for {rem.action.value} now")
-            return
-        limit = guardrails.budget(self.store.cluster_size(rem.cluster), self.settings)
-        if not await self.slots.take(f"pool.{rem.pool}", rem.id, 1, now):
-            await self._wait(
-                current, "pool", f"another repair runs in node pool {rem.pool} (one at a time)"
-            )
-            return
-        if not await self.slots.take(f"cluster.{rem.cluster}", rem.id, limit, now):
-            await self.slots.release(f"pool.{rem.pool}", rem.id)
-            await self._wait(
-                current,
-                "budget",
-                f"the concurrency budget of cluster {rem.cluster} ({limit} at once) is spent",
-            )
+        if not await self._admitted(current, now):
             return
         health = self.store.health.get(rem.node)
         host, _ = await self.provider.host(rem.node)
@@ -184,59 +149,127 @@ class Repairs:
             await restart_gangs(self.store.bus, rem.node, [held.value], rem.id)
         await self._run(written, now)
 
+    async def _admitted(self, current: Versioned[Remediation], now: datetime) -> bool:
+        """R13 before a repair starts: the node's cooldown, the provider's capacity, one repair
+        at a time per pool and the cluster's budget (both slots taken, or neither). What holds
+        it back is its reason."""
+        rem = current.value
+        until = guardrails.cooldown_until(self._last_repair(rem), self.settings)
+        if until is not None and now < until:
+            await self._wait(
+                current,
+                "cooldown",
+                f"cooldown after the last repair of {rem.node} until {until:%Y-%m-%dT%H:%M:%S}Z",
+            )
+            return False
+        if not await self.provider.has_capacity(rem.node, rem.action):
+            await self._wait(current, "capacity", f"no capacity for {rem.action.value} now")
+            return False
+        limit = guardrails.budget(self.store.cluster_size(rem.cluster), self.settings)
+        if not await self.slots.take(f"pool.{rem.pool}", rem.id, 1, now):
+            await self._wait(
+                current, "pool", f"another repair runs in node pool {rem.pool} (one at a time)"
+            )
+            return False
+        if not await self.slots.take(f"cluster.{rem.cluster}", rem.id, limit, now):
+            await self.slots.release(f"pool.{rem.pool}", rem.id)
+            await self._wait(
+                current,
+                "budget",
+                f"the concurrency budget of cluster {rem.cluster} ({limit} at once) is spent",
+            )
+            return False
+        return True
+
+    def _last_repair(self, rem: Remediation) -> datetime | None:
+        """When the node's last other repair that ran (done or failed) finished."""
+        last: datetime | None = None
+        for other_id in self.store.rems_of.get(rem.node, set()):
+            other = self.store.rems.get(other_id)
+            if other is None or other.key == rem.id or other.value.finished_time is None:
+                continue
+            if other.value.outcome in (Outcome.DONE, Outcome.FAILED):
+                if last is None or other.value.finished_time > last:
+                    last = other.value.finished_time
+        return last
+
     async def _wait(self, current: Versioned[Remediation], guardrail: str, reason: str) -> None:
         if current.value.reason == reason:
             return
         metrics.GUARDRAIL_WAITS.labels(guardrail).inc()
         await self.store.write(current, msgspec.structs.replace(current.value, reason=reason))
 
+    async def _finish(
+        self,
+        current: Versioned[Remediation],
+        outcome: Outcome,
+        now: datetime,
+        reason: str,
+        **changes: object,
+    ) -> None:
+        finished = lifecycle.finish(current.value, outcome, now, self.replica, reason, **changes)
+        await self.store.write(current, finished)
+
     async def _run(self, current: Versioned[Remediation], now: datetime) -> None:
-        rem = current.value
-        health = self.store.health.get(rem.node)
+        health = self.store.health.get(current.value.node)
         boot_id = health.value.boot_id if health else ""
-        if rem.issued_time is None:
-            mine = rem.executor == self.replica
-            stale = rem.claim_time is None or now - rem.claim_time > self.settings.claim_grace
-            if not mine and not stale:
-                return  # the replica that claimed it issues it
-            if not mine:
-                claimed = await self.store.write(
-                    current,
-                    msgspec.structs.replace(rem, executor=self.replica, claim_time=now),
-                )
-                if claimed is None:
-                    return
-                current, rem = claimed, claimed.value
-            executed = await self.provider.executed(rem.node, rem.op_id)
-            decision, why = lifecycle.issue_decision(rem, boot_id, executed)
-            if decision == "issue":
-                try:
-                    await self.provider.execute(rem.node, rem.action, rem.op_id)
-                except Exception as error:  # retried on the next tick, up to the timeout
-                    if lifecycle.timed_out(rem, now, self.settings.action_timeout):
-                        await self.store.write(
-                            current,
-                            lifecycle.finish(
-                                rem,
-                                Outcome.FAILED,
-                                now,
-                                self.replica,
-                                f"{rem.action.value} could not be carried out: {error}",
-                            ),
-                        )
-                    else:
-                        await self._wait(current, "provider", f"{rem.action.value}: {error}")
-                    return
-                reason = f"{rem.action.value} issued; waiting for {rem.node} to come back"
-            else:
-                reason = f"{rem.action.value} not issued again: {why}"
-            await self.store.write(
-                current,
-                msgspec.structs.replace(
-                    rem, issued_time=self.clock(), issue_skipped=why, reason=reason
-                ),
-            )
+        if current.value.issued_time is None:
+            await self._issue(current, boot_id, now)
+        else:
+            await self._watch_return(current, boot_id, now)
+
+    async def _claim(
+        self, current: Versioned[Remediation], now: datetime
+    ) -> Versioned[Remediation] | None:
+        """The replica that started the repair issues its action; another one takes it over
+        once that claim is older than the grace (its replica stopped). None: not ours."""
+        rem = current.value
+        if rem.executor == self.replica:
+            return current
+        if rem.claim_time is not None and now - rem.claim_time <= self.settings.claim_grace:
+            return None  # the replica that claimed it issues it
+        return await self.store.write(
+            current, msgspec.structs.replace(rem, executor=self.replica, claim_time=now)
+        )
+
+    async def _issue(self, current: Versioned[Remediation], boot_id: str, now: datetime) -> None:
+        """Once (R12, R14): not when the provider carried it out already, nor a reboot or
+        power cycle of a host that came back by itself."""
+        claimed = await self._claim(current, now)
+        if claimed is None:
             return
+        current, rem = claimed, claimed.value
+        executed = await self.provider.executed(rem.node, rem.op_id)
+        decision, why = lifecycle.issue_decision(rem, boot_id, executed)
+        if decision == "issue":
+            try:
+                await self.provider.execute(rem.node, rem.action, rem.op_id)
+            except Exception as error:  # retried on the next tick, up to the timeout
+                if lifecycle.timed_out(rem, now, self.settings.action_timeout):
+                    await self._finish(
+                        current,
+                        Outcome.FAILED,
+                        now,
+                        f"{rem.action.value} could not be carried out: {error}",
+                    )
+                else:
+                    await self._wait(current, "provider", f"{rem.action.value}: {error}")
+                return
+            reason = f"{rem.action.value} issued; waiting for {rem.node} to come back"
+        else:
+            reason = f"{rem.action.value} not issued again: {why}"
+        await self.store.write(
+            current,
+            msgspec.structs.replace(
+                rem, issued_time=self.clock(), issue_skipped=why, reason=reason
+            ),
+        )
+
+    async def _watch_return(
+        self, current: Versioned[Remediation], boot_id: str, now: datetime
+    ) -> None:
+        """Issued: the machine comes back (to revalidation) or the action times out."""
+        rem = current.value
         host, retired = await self.provider.host(rem.node)
         if lifecycle.came_back(rem, boot_id, host, retired):
             await self.store.write(
@@ -253,56 +286,33 @@ class Repairs:
             )
             return
         if lifecycle.timed_out(rem, now, self.settings.action_timeout):
-            await self.store.write(
+            await self._finish(
                 current,
-                lifecycle.finish(
-                    rem,
-                    Outcome.FAILED,
-                    now,
-                    self.replica,
-                    f"{rem.node} did not come back within {self.settings.action_timeout}",
-                ),
+                Outcome.FAILED,
+                now,
+                f"{rem.node} did not come back within {self.settings.action_timeout}",
             )
 
     async def _revalidate(self, current: Versioned[Remediation], now: datetime) -> None:
         rem = current.value
         if rem.action is Action.DELETE:
             await self.cordons.hold_forever(rem, now)
-            await self.store.write(
-                current,
-                lifecycle.finish(
-                    rem,
-                    Outcome.DONE,
-                    now,
-                    self.replica,
-                    "retired; its host went straight to revalidation (R15)",
-                ),
+            await self._finish(
+                current, Outcome.DONE, now, "retired; its host went straight to revalidation (R15)"
             )
             return
         failures = await self.provider.diagnose(rem.node)
         if failures:
-            await self.store.write(
+            await self._finish(
                 current,
-                lifecycle.finish(
-                    rem,
-                    Outcome.FAILED,
-                    now,
-                    self.replica,
-                    "diagnostics failed: the node stays out of service",
-                    diagnostics=failures,
-                ),
+                Outcome.FAILED,
+                now,
+                "diagnostics failed: the node stays out of service",
+                diagnostics=failures,
             )
         else:
-            await self.store.write(
-                current,
-                lifecycle.finish(
-                    rem,
-                    Outcome.DONE,
-                    now,
-                    self.replica,
-                    "diagnostics passed: the node rejoins",
-                    diagnostics=[],
-                ),
+            await self._finish(
+                current, Outcome.DONE, now, "diagnostics passed: the node rejoins", diagnostics=[]
             )
 
     async def settle(self, rid: str, now: datetime) -> None:
