@@ -33,7 +33,7 @@ from libs.contracts.remediation import (
     RemediationState,
     RepairRequest,
 )
-from libs.runtime.tasks import cancel_and_wait
+from libs.runtime.tasks import TaskSet
 from libs.runtime.version import VERSION
 from services.remediator import guardrails, metrics
 from services.remediator.alerting import Alerting
@@ -91,14 +91,14 @@ class Remediator:
             clock,
         )
         self.api = Api(self.store, self.slots, self.breakers, provider, self.settings, clock)
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = TaskSet("remediator", log)  # the ticker
 
     # -- start and stop ------------------------------------------------------------------------
 
     async def start(self) -> None:
         await self.store.start()
         self.queue.start()
-        self._tasks.append(asyncio.create_task(self._ticker()))
+        self._tasks.spawn(self._ticker(), name="ticker")
         for node in set(self.store.alerts_of) | set(self.store.rems_of):
             self.queue.mark(node)
         await self.bus.serve(
@@ -135,7 +135,7 @@ class Remediator:
         )
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._tasks)
+        await self._tasks.close()
         await self.queue.stop()
         await self.store.stop()
 

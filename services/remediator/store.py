@@ -34,7 +34,7 @@ from libs.contracts.remediation import (
     RepairSlots,
     SignalReport,
 )
-from libs.runtime.tasks import cancel_and_wait
+from libs.runtime.tasks import TaskSet
 from services.remediator import metrics
 
 log = logging.getLogger("nodus.remediator")
@@ -94,8 +94,7 @@ class Store:
         self.clusters: dict[str, set[str]] = {}
         self.reports: dict[str, dict[str, tuple[SignalReport, float]]] = {}
         self._last_report: dict[str, datetime] = {}
-        self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet("remediator store", log)  # the watches and the events
 
     # -- start and stop ------------------------------------------------------------------------
 
@@ -114,17 +113,15 @@ class Store:
             (self.cordon_bucket, self.cordons, None),
         ]
         caught_up = [asyncio.Event() for _ in watched]
-        self._tasks = [
-            asyncio.create_task(self._watch(bucket, view, hook, event))
-            for (bucket, view, hook), event in zip(watched, caught_up, strict=True)
-        ]
+        for (bucket, view, hook), event in zip(watched, caught_up, strict=True):
+            self._tasks.spawn(self._watch(bucket, view, hook, event), name=f"watch {bucket.name}")
         await asyncio.gather(*(event.wait() for event in caught_up))
         signals_caught_up = asyncio.Event()
-        self._tasks.append(asyncio.create_task(self._watch_signals(signals_caught_up)))
+        self._tasks.spawn(self._watch_signals(signals_caught_up), name="watch signals")
         await signals_caught_up.wait()
 
     async def stop(self) -> None:
-        await cancel_and_wait([*self._tasks, *self._background])
+        await self._tasks.close()
 
     # -- watches -------------------------------------------------------------------------------
 
@@ -305,6 +302,4 @@ class Store:
             except Exception as error:
                 log.warning("event %s not published: %s", subject, error)
 
-        task = asyncio.create_task(publish())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._tasks.spawn(publish(), name=f"publish {subject}")

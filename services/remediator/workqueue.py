@@ -8,7 +8,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from libs.runtime.tasks import cancel_and_wait
+from libs.runtime.tasks import TaskSet
 
 log = logging.getLogger("nodus.remediator")
 
@@ -21,7 +21,7 @@ class WorkQueue:
         self._queued: set[str] = set()
         self._running: set[str] = set()
         self._rerun: set[str] = set()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = TaskSet("remediator workers", log)
 
     @property
     def idle(self) -> bool:
@@ -36,10 +36,11 @@ class WorkQueue:
             self._queue.put_nowait(node)
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._worker()) for _ in range(self._workers)]
+        for index in range(self._workers):
+            self._tasks.spawn(self._worker(), name=f"worker {index}")
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._tasks)
+        await self._tasks.close()
 
     async def _worker(self) -> None:
         while True:
