@@ -11,7 +11,6 @@ import msgspec
 
 from libs.contracts.remediation import (
     Action,
-    AlertState,
     Cordon,
     CordonHold,
     Remediation,
@@ -87,12 +86,6 @@ class Cordons:
             or self.store.active_of(node)
         ):
             return
-        for aid in self.store.alerts_of.get(node, set()):
-            alert = self.store.alerts.get(aid)
-            if (
-                alert is not None
-                and alert.value.state is AlertState.FIRING
-                and alert.value.action is not Action.NONE
-            ):
-                return
+        if any(a.action is not Action.NONE for a in self.store.firing_of(node)):
+            return
         await self.lift(node)
