@@ -76,29 +76,8 @@ def next_alert(
         if current.last_seen_time > seen:  # an older report than what fired it
             return None
         return msgspec.structs.replace(current, state=AlertState.RESOLVED, resolved_time=seen)
-    told = meaning(finding.kind, finding.subject, finding.xid, finding.detail, report.node)
-    evidence = [finding.evidence]
     if current is None:
-        return Alert(
-            id=alert_id(report.node, finding.kind, finding.subject, finding.xid),
-            node=report.node,
-            cluster=where.cluster,
-            pool=where.pool,
-            kind=finding.kind,
-            subject=finding.subject,
-            xid=finding.xid,
-            severity=finding.severity,
-            summary=told.summary,
-            description=f"{told.description} Seen: {finding.detail.rstrip('.')}."[:2000],
-            source=report.source,
-            action=told.action,
-            state=AlertState.FIRING,
-            first_seen_time=seen,
-            last_seen_time=seen,
-            window_start_time=seen,
-            evidence=evidence,
-            boot_id=report.boot_id,
-        )
+        return _fired(finding, report, where)
     if current.last_seen_time >= seen or (
         current.resolved_time is not None and current.resolved_time >= seen
     ):
@@ -108,12 +87,46 @@ def next_alert(
             current,
             last_seen_time=seen,
             severity=finding.severity,
-            evidence=_merge_evidence(current, evidence),
+            evidence=_merge_evidence(current, [finding.evidence]),
             boot_id=report.boot_id or current.boot_id,
             cluster=current.cluster or where.cluster,
             pool=current.pool or where.pool,
         )
-    # It fires again.
+    return _fires_again(current, finding, report, settings)
+
+
+def _fired(finding: Finding, report: SignalReport, where: Placement) -> Alert:
+    seen = report.observed_time
+    told = meaning(finding.kind, finding.subject, finding.xid, finding.detail, report.node)
+    return Alert(
+        id=alert_id(report.node, finding.kind, finding.subject, finding.xid),
+        node=report.node,
+        cluster=where.cluster,
+        pool=where.pool,
+        kind=finding.kind,
+        subject=finding.subject,
+        xid=finding.xid,
+        severity=finding.severity,
+        summary=told.summary,
+        description=f"{told.description} Seen: {finding.detail.rstrip('.')}."[:2000],
+        source=report.source,
+        action=told.action,
+        state=AlertState.FIRING,
+        first_seen_time=seen,
+        last_seen_time=seen,
+        window_start_time=seen,
+        evidence=[finding.evidence],
+        boot_id=report.boot_id,
+    )
+
+
+def _fires_again(
+    current: Alert, finding: Finding, report: SignalReport, settings: AlertSettings
+) -> Alert:
+    """A resolved alert fires again: within the flap memory it is the same alert flapping;
+    after it, a new generation whose window starts over."""
+    seen = report.observed_time
+    evidence = [finding.evidence]
     resolved = current.resolved_time or current.last_seen_time
     if seen - resolved <= settings.flap_memory:
         return msgspec.structs.replace(

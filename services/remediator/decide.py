@@ -65,13 +65,10 @@ def recommend(
     for step in [*why, r11]:
         if step:
             rule += f"; {step}"
-    if (
-        current is not None
-        and current.generation == alert.generation
-        and current.action is action
-        and current.rule == rule
-    ):
-        return current
+    # the recommendation of this generation of the alert, as it stands
+    same = current if current is not None and current.generation == alert.generation else None
+    if same is not None and same.action is action and same.rule == rule:
+        return same
     return Recommendation(
         id=alert.id,
         alert_id=alert.id,
@@ -86,16 +83,8 @@ def recommend(
         summary=alert.summary,
         severity=alert.severity,
         generation=alert.generation,
-        created_time=(
-            current.created_time
-            if current is not None and current.generation == alert.generation
-            else now
-        ),
+        created_time=same.created_time if same is not None else now,
         ladder_key=key,
         evidence=alert.evidence,
-        remediation_id=(
-            current.remediation_id
-            if current is not None and current.generation == alert.generation
-            else None
-        ),
+        remediation_id=same.remediation_id if same is not None else None,
     )

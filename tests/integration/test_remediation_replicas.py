@@ -5,15 +5,12 @@ nothing finished is repeated and a stale signal changes nothing."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from libs.bus import Bus
-from libs.bus.server import NatsServer
 from libs.contracts import names
 from libs.contracts.fleet import NodeHealth
 from libs.contracts.remediation import (
@@ -24,6 +21,7 @@ from libs.contracts.remediation import (
     SignalReport,
 )
 from libs.runtime.tasks import cancel_and_wait
+from tests.integration.remediation_fixtures import fleet_fixture  # noqa: F401  (the `fleet` fixture)
 from tests.remediation_support import TEST_SETTINGS, Fleet
 
 FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -32,15 +30,6 @@ FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpu-c": ("ecc-dbe", {"gpu": 1}),
     "gpu-d": ("ib-down", {"port": "mlx5_0/1"}),
 }
-
-
-@pytest.fixture
-async def fleet(nats_server: NatsServer, bus: Bus, tmp_path: Path) -> AsyncIterator[Fleet]:
-    for name in names.REMEDIATION_BUCKETS:
-        await bus.ensure_bucket(name)
-    started = Fleet(nats_server.url, bus, tmp_path / "state")
-    yield started
-    await started.stop()
 
 
 class BootIds:
