@@ -110,6 +110,7 @@ class Recording:
 @pytest.fixture
 def relay_io(monkeypatch: pytest.MonkeyPatch) -> Recording:
     from libs.relayproto import connection as connection_module
+    from services.relay import mesh as mesh_module
     from services.relay import relay as relay_module
 
     recording = Recording()
@@ -130,6 +131,7 @@ def relay_io(monkeypatch: pytest.MonkeyPatch) -> Recording:
             return base.send_nowait(self, frame)
 
     monkeypatch.setattr(relay_module, "Connection", RecordingConnection)
+    monkeypatch.setattr(mesh_module, "Connection", RecordingConnection)
     return recording
 
 
