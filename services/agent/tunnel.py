@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ LINK_ERRORS = Counter(
 
 HIGH_WATER = 2 << 20  # bytes queued to the relay before local reads pause
 READ_SIZE = 256 * 1024
+# The timers run at their deadlines, at most this often (timers due together fire together;
+# an acknowledgement owed for what arrived waits at most this long, so acks batch).
 TICK = 0.02
 # A failed open or a reset carries a SOCKS5 reply code, which the shim maps to an errno.
 GENERAL_FAILURE = ReplyCode.GENERAL_FAILURE
@@ -146,6 +149,10 @@ class Tunnel:
         self._held: set[asyncio.Task[None]] = set()
         self._relay_tasks: dict[str, asyncio.Task[None]] = {}
         self._streams_gauge = STREAMS.labels(node)
+        self._keepalive_at = 0.0  # when the links next say something (KEEPALIVE)
+        self._wake_at = math.inf  # when the timers sleep until
+        self._wake = asyncio.Event()  # set: a deadline earlier than _wake_at was armed
+        self.timer_wakeups = 0  # how often the timers woke (they sleep while nothing is due)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -157,6 +164,7 @@ class Tunnel:
         self.peers_by_key[key] = peer
         self.peers_by_address[address] = peer
         self.device.add_peer(key)
+        self._rearm()
 
     async def start(self) -> None:
         for relay in self.relays:
@@ -164,6 +172,7 @@ class Tunnel:
             task.add_done_callback(_log_crash)
             self._relay_tasks[relay.name] = task
         self._tasks = [asyncio.create_task(self._timers())]
+        self._tasks[0].add_done_callback(_log_crash)
 
     async def stop(self) -> None:
         for relay in self.relays:
@@ -266,6 +275,7 @@ class Tunnel:
                 wire += self.device.send(peer.key, payload, now)
         if home is not None and wire:
             home.send_many(wire)  # one write for the lot
+        self._rearm()  # a send may start a handshake or arm a link's resend clock
         if home is not None and home.backlog() > HIGH_WATER and self._writable.is_set():
             self._writable.clear()
             self._background(self._drain(home))
@@ -282,23 +292,57 @@ class Tunnel:
             home.send_now(dst, message)
 
     async def _timers(self) -> None:
-        last_wg = last_keepalive = 0.0
+        """Sleep until the next deadline (WireGuard's, a link's, the links' keepalive), at
+        most every TICK (the first time TICK after the start); `_rearm` wakes it when
+        something arms an earlier one."""
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(TICK)
             now = time.monotonic()
-            due = False
-            keepalive = now - last_keepalive > KEEPALIVE
+            at = max(self._next_deadline(now), last + TICK)
+            if at - now > 1e-3:
+                self._wake_at = at
+                self._wake.clear()
+                try:
+                    async with asyncio.timeout(None if at == math.inf else at - now):
+                        await self._wake.wait()
+                except TimeoutError:
+                    pass
+                self.timer_wakeups += 1
+                continue
+            last = now
+            self._wake_at = math.inf
+            self._fire_timers(now)
+
+    def _next_deadline(self, now: float) -> float:
+        at = self._keepalive_at if self.peers_by_key else math.inf
+        wg = self.device.next_deadline()
+        if wg is not None:
+            at = min(at, wg)
+        for peer in self.peers_by_key.values():
+            link = peer.link.next_deadline(now)
+            if link is not None:
+                at = min(at, link)
+        return at
+
+    def _rearm(self) -> None:
+        """Something may have armed a deadline: wake the timers if it is earlier."""
+        if self._next_deadline(time.monotonic()) < self._wake_at:
+            self._wake.set()
+
+    def _fire_timers(self, now: float) -> None:
+        due = False
+        keepalive = now >= self._keepalive_at
+        if keepalive:
+            self._keepalive_at = now + KEEPALIVE
+        for peer in self.peers_by_key.values():
             if keepalive:
-                last_keepalive = now
-            for peer in self.peers_by_key.values():
-                if keepalive:
-                    peer.link.keepalive()
-                due |= peer.link.tick(now)
-            if now - last_wg > 0.25:
-                last_wg = now
-                self._send_wire(self.device.tick(now))
-            if due:
-                self._schedule_flush()
+                peer.link.keepalive()
+            due |= peer.link.tick(now)
+        wg = self.device.next_deadline()
+        if wg is not None and wg <= now:
+            self._send_wire(self.device.tick(now))
+        if due:
+            self._schedule_flush()
 
     # -- receiving -----------------------------------------------------------------------------
 
