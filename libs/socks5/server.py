@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
+from libs.runtime.tasks import TaskSet
 from libs.socks5.codec import ConnectRequest, Rejected, ReplyCode, ServerCodec
 
 __all__ = [
@@ -204,7 +205,7 @@ class _Handler:
         # Strong references to the connections being served: the event loop holds tasks only
         # weakly, and with uvloop a connection waiting on both half-closed sockets was
         # otherwise collected mid-splice ("Task was destroyed but it is pending").
-        self.live: set[asyncio.Task[None]] = set()
+        self.live = TaskSet("socks5 connection", log)
 
     def emit(self, event: SocksEvent) -> None:
         if self.on_event is not None:
@@ -215,10 +216,6 @@ class _Handler:
 
     async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client = _address(writer.get_extra_info("peername"))
-        task = asyncio.current_task()
-        if task is not None:
-            self.live.add(task)
-            task.add_done_callback(self.live.discard)
         try:
             await self._connection(client, reader, writer)
         except asyncio.CancelledError:
@@ -309,4 +306,10 @@ async def serve(
     handshake_timeout bounds greeting + request from a client.
     """
     handler = _Handler(dial, dial_timeout, handshake_timeout, on_event)
-    return await asyncio.start_server(handler, host, port, limit=BUFFER, reuse_address=True)
+    return await asyncio.start_server(
+        lambda reader, writer: handler.live.spawn(handler(reader, writer)),
+        host,
+        port,
+        limit=BUFFER,
+        reuse_address=True,
+    )

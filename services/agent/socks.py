@@ -9,6 +9,7 @@ import logging
 
 from prometheus_client import Counter
 
+from libs.runtime.tasks import TaskSet
 from libs.socks5 import AddressType, ConnectRequest, Rejected, ReplyCode, ServerCodec
 from services.agent.tunnel import StreamRefused, Tunnel
 
@@ -25,22 +26,20 @@ class SocksFront:
         self.tunnel = tunnel
         self.listen = listen
         self.server: asyncio.Server | None = None
-        self._clients: set[asyncio.Task[None]] = set()
+        self._clients = TaskSet("socks client", log)
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(self._client, *self.listen)
+        self.server = await asyncio.start_server(
+            lambda reader, writer: self._clients.spawn(self._client(reader, writer)),
+            *self.listen,
+        )
 
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
-        from libs.runtime.tasks import cancel_and_wait
-
-        await cancel_and_wait(list(self._clients))
+        await self._clients.close()
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._clients.add(task)
         node = self.tunnel.node
         codec = ServerCodec()
         try:
@@ -71,10 +70,7 @@ class SocksFront:
             await self.tunnel.splice(bridge, reader, writer, codec.take_early_data())
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
             pass
-        except asyncio.CancelledError:
-            pass  # the entry is stopping: end quietly (asyncio logs a cancelled handler as an error)
         finally:
-            self._clients.discard(task)
             writer.close()
 
     async def _handshake(

@@ -24,7 +24,7 @@ from prometheus_client import Counter, Gauge
 from libs.contracts.errors import NodusError
 from libs.relayproto import FrameError
 from libs.relayproto.client import RelayClient
-from libs.runtime.tasks import cancel_and_wait
+from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.socks5 import ReplyCode
 from libs.tunnel import (
     Closed,
@@ -145,9 +145,8 @@ class Tunnel:
         self._reachability = asyncio.Event()  # pulsed when a relay or a peer comes or goes
         self._flush_scheduled = False
         self._touched: dict[tuple[bytes, int], Bridge] = {}  # bridges with an outbox to write
-        self._tasks: list[asyncio.Task[None]] = []
-        self._held: set[asyncio.Task[None]] = set()
-        self._relay_tasks: dict[str, asyncio.Task[None]] = {}
+        # The relay connections, the timers, drains and inbound streams: a crash is logged.
+        self._tasks = TaskSet("tunnel", log)
         self._streams_gauge = STREAMS.labels(node)
         self._keepalive_at = 0.0  # when the links next say something (KEEPALIVE)
         self._wake_at = math.inf  # when the timers sleep until
@@ -168,11 +167,8 @@ class Tunnel:
 
     async def start(self) -> None:
         for relay in self.relays:
-            task = asyncio.create_task(self._keep_relay(relay))
-            task.add_done_callback(_log_crash)
-            self._relay_tasks[relay.name] = task
-        self._tasks = [asyncio.create_task(self._timers())]
-        self._tasks[0].add_done_callback(_log_crash)
+            self._tasks.spawn(self._keep_relay(relay), name=f"relay {relay.name}")
+        self._tasks.spawn(self._timers(), name="timers")
 
     async def stop(self) -> None:
         for relay in self.relays:
@@ -180,9 +176,9 @@ class Tunnel:
         for bridge in list(self.bridges.values()):
             if bridge.writer is not None:
                 bridge.writer.close()
-        tasks = [*self._tasks, *self._relay_tasks.values(), *self._held]
-        tasks += [b.task for b in self.bridges.values() if b.task is not None]
-        await cancel_and_wait(tasks)
+        await self._tasks.close()
+        # Outbound streams run in the SOCKS entry's tasks.
+        await cancel_and_wait([b.task for b in self.bridges.values() if b.task is not None])
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -256,9 +252,7 @@ class Tunnel:
 
     def _background(self, work: Coroutine[object, object, None]) -> None:
         """Run `work` as a task the tunnel holds on to (the loop keeps only weak references)."""
-        task = asyncio.get_running_loop().create_task(work)
-        self._held.add(task)
-        task.add_done_callback(self._held.discard)
+        self._tasks.spawn(work)
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -384,7 +378,7 @@ class Tunnel:
         elif isinstance(event, StreamOpened):
             bridge = Bridge(peer, event.stream)
             self.bridges[key] = bridge
-            bridge.task = asyncio.get_running_loop().create_task(self._inbound(bridge, event.port))
+            bridge.task = self._tasks.spawn(self._inbound(bridge, event.port))
         elif isinstance(event, OpenResult):
             if bridge is not None and bridge.opened is not None and not bridge.opened.done():
                 bridge.opened.set_result(0 if event.ok else event.code)
@@ -645,9 +639,3 @@ class Tunnel:
         self.bridges.pop((bridge.peer.key, bridge.stream), None)
         self._streams_gauge.set(len(self.bridges))
         self._schedule_flush()
-
-
-def _log_crash(task: asyncio.Task[None]) -> None:
-    """A relay task that died of a bug says so loudly (it is never an expected ending)."""
-    if not task.cancelled() and task.exception() is not None:
-        log.error("relay task crashed", exc_info=task.exception())

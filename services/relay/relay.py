@@ -39,7 +39,7 @@ from libs.relayproto import (
     x25519_public,
 )
 from libs.relayproto.connection import DEAD_AFTER, Connection, Offered
-from libs.runtime.tasks import cancel_and_wait
+from libs.runtime.tasks import TaskSet
 from libs.runtime.version import VERSION
 from services.relay.billing import UsageMeter
 from services.relay.buckets import TokenBucket
@@ -109,8 +109,8 @@ class Relay:
         self.mesh = Mesh(name, region, mesh_key, mesh_with, self)
         self.relays = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
         self.server: asyncio.Server | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self._handlers: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet("relay", log)  # the relay's own loops
+        self._handlers = TaskSet("relay connection", log)  # one per accepted connection
         self._touched: list[MemberSession] = []  # sessions with an outbox to write
 
     @property
@@ -123,15 +123,17 @@ class Relay:
     async def start(self) -> None:
         await self.membership.start()
         self.membership.on_fence.append(self._fence)
-        self.server = await asyncio.start_server(self._accept, *self.listen, limit=READ_SIZE)
+        self.server = await asyncio.start_server(
+            lambda reader, writer: self._handlers.spawn(self._accept(reader, writer)),
+            *self.listen,
+            limit=READ_SIZE,
+        )
         if self.listen[1] == 0:
             self.listen = (self.listen[0], self.server.sockets[0].getsockname()[1])
-        self._tasks = [
-            asyncio.create_task(self.meter.run()),
-            asyncio.create_task(self._announce()),
-            asyncio.create_task(self._sweep_silent()),
-            asyncio.create_task(self.mesh.run()),
-        ]
+        self._tasks.spawn(self.meter.run(), name="usage meter")
+        self._tasks.spawn(self._announce(), name="announce")
+        self._tasks.spawn(self._sweep_silent(), name="sweep silent members")
+        self._tasks.spawn(self.mesh.run(), name="mesh links")
         log.info("relay %s (%s) listening on %s", self.name, self.region, self.address)
 
     async def stop(self) -> None:
@@ -140,7 +142,8 @@ class Relay:
         for session in list(self.sessions.values()):
             session.conn.close()
         self.mesh.close()
-        await cancel_and_wait([*self._tasks, *self._handlers])
+        await self._tasks.close()
+        await self._handlers.close()
         await self.meter.flush()
         self.meter.close()
         await self.membership.stop()
@@ -167,9 +170,6 @@ class Relay:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection's whole life. What goes wrong here belongs to this connection: it
         is counted and the connection closed; no other session is touched."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
         conn = Connection(reader, writer)
         try:
             handshake = await conn.accept(self.public_key)
@@ -183,11 +183,8 @@ class Relay:
             await conn.refuse("malformed", str(error))
         except (TimeoutError, OSError):
             pass  # the peer went away or never finished its hello
-        except asyncio.CancelledError:
-            pass  # the relay is stopping: end quietly (asyncio logs a cancelled handler as an error)
         finally:
             conn.close()
-            self._handlers.discard(task)
 
     async def _member(self, conn: Connection, hello: Hello, nonce: bytes) -> None:
         identity = self.membership.identity(hello.wg_key)
