@@ -1,9 +1,10 @@
 """A thin asyncio SOCKS5 server around `ServerCodec`: `serve(host, port, dial)`.
 
 `dial(host, port)` opens the connection to the destination and returns asyncio streams; it
-is the only policy: the agent passes one that goes through the gang's tunnel and refuses
-what is not a member (`raise SocksRefusal()`), tests pass `open_connection`. Whatever it
-raises becomes the reply the client is owed (`reply_for_exception`), so the shim in front
+is the only policy: a dial refuses what it will not reach with `raise SocksRefusal()`, tests
+pass `open_connection`. (The agent's entry splices into the gang's tunnel, not into streams:
+it shares this server's handshake, `read_request`, and answers with the same codec.) Whatever
+it raises becomes the reply the client is owed (`reply_for_exception`), so the shim in front
 turns it back into the errno a direct connect would have given:
 
     ConnectionRefusedError                    -> 5 connection refused
@@ -46,6 +47,7 @@ __all__ = [
     "SocksRefusal",
     "SocksRejected",
     "open_connection_dial",
+    "read_request",
     "reply_for_exception",
     "serve",
     "splice",
@@ -125,6 +127,24 @@ def reply_for_exception(exc: BaseException) -> ReplyCode:
         if exc.errno == errno.EAFNOSUPPORT:
             return ReplyCode.ADDRESS_TYPE_NOT_SUPPORTED
     return ReplyCode.GENERAL_FAILURE
+
+
+async def read_request(
+    codec: ServerCodec, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> ConnectRequest | Rejected | None:
+    """The SOCKS5 handshake, greeting to request, answering as the codec says: the CONNECT
+    request, the codec's refusal (its reply already written), or None when the client closed
+    first. Callers bound it with their handshake timeout."""
+    while True:
+        data = await reader.read(4096)
+        event = codec.receive_data(data) if data else None
+        if out := codec.data_to_send():
+            writer.write(out)
+            await writer.drain()
+        if isinstance(event, Rejected | ConnectRequest):
+            return event
+        if not data:
+            return None
 
 
 async def open_connection_dial(host: str, port: int) -> Streams:
@@ -233,20 +253,14 @@ class _Handler:
         codec = ServerCodec()
         try:
             async with asyncio.timeout(self.handshake_timeout):
-                while True:
-                    data = await reader.read(4096)
-                    event = codec.receive_data(data) if data else None
-                    if out := codec.data_to_send():
-                        writer.write(out)
-                        await writer.drain()
-                    if isinstance(event, Rejected):
-                        self.emit(SocksRejected(client, event.reason, event.reply))
-                        return None
-                    if isinstance(event, ConnectRequest):
-                        return codec, event
-                    if not data:
-                        self.emit(SocksRejected(client, "closed during the handshake"))
-                        return None
+                event = await read_request(codec, reader, writer)
+            if isinstance(event, Rejected):
+                self.emit(SocksRejected(client, event.reason, event.reply))
+                return None
+            if event is None:
+                self.emit(SocksRejected(client, "closed during the handshake"))
+                return None
+            return codec, event
         except TimeoutError:
             self.emit(SocksRejected(client, f"no request within {self.handshake_timeout:g}s"))
             return None

@@ -11,6 +11,7 @@ from prometheus_client import Counter
 
 from libs.runtime.tasks import TaskSet
 from libs.socks5 import AddressType, ConnectRequest, Rejected, ReplyCode, ServerCodec
+from libs.socks5.server import read_request
 from services.agent.tunnel import StreamRefused, Tunnel
 
 log = logging.getLogger("nodus.agent.socks")
@@ -43,10 +44,10 @@ class SocksFront:
         node = self.tunnel.node
         codec = ServerCodec()
         try:
-            request = await asyncio.wait_for(
-                self._handshake(codec, reader, writer), HANDSHAKE_TIMEOUT
-            )
-            if request is None:
+            request = await asyncio.wait_for(read_request(codec, reader, writer), HANDSHAKE_TIMEOUT)
+            if isinstance(request, Rejected):
+                log.info("SOCKS request refused: %s", request.reason)
+            if not isinstance(request, ConnectRequest):
                 REQUESTS.labels(node, "malformed").inc()
                 return
             code = self._allowed(request)
@@ -72,24 +73,6 @@ class SocksFront:
             pass
         finally:
             writer.close()
-
-    async def _handshake(
-        self, codec: ServerCodec, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> ConnectRequest | None:
-        while True:
-            data = await reader.read(4096)
-            if not data:
-                return None
-            event = codec.receive_data(data)
-            reply = codec.data_to_send()
-            if reply:
-                writer.write(reply)
-                await writer.drain()
-            if isinstance(event, Rejected):
-                log.info("SOCKS request refused: %s", event.reason)
-                return None
-            if isinstance(event, ConnectRequest):
-                return event
 
     def _allowed(self, request: ConnectRequest) -> ReplyCode | None:
         """Only IP literals of this gang epoch's other members (G14)."""
