@@ -19,6 +19,7 @@ import math
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import msgspec
 
@@ -40,11 +41,13 @@ __all__ = [
     "TEST_PROGRAMS",
     "NetshimBuildError",
     "NetshimCheckError",
+    "SelfTestOptions",
     "SelfTestResult",
     "ensure_built",
     "preload_env",
     "self_test",
     "self_test_async",
+    "shim_env",
 ]
 
 NETSHIM_DIR = Path(__file__).resolve().parents[2] / "netshim"
@@ -145,6 +148,28 @@ def ensure_built(*, force: bool = False, timeout: float = 300.0) -> Path:
     return SHIM_PATH
 
 
+def shim_env(
+    *,
+    peers: Sequence[str],
+    socks: str,
+    shim: Path | str = SHIM_PATH,
+    preload: str = "",
+    debug: bool = False,
+) -> dict[str, str]:
+    """The variables that load the shim into a program and tell it where to go (G8): the shim
+    first in LD_PRELOAD, then `preload` (what the program's LD_PRELOAD would have held), the
+    peers it redirects and the SOCKS endpoint it redirects them to. The one rendering of them:
+    the placer puts these in every rank's environment of a Relayed gang."""
+    env = {
+        "LD_PRELOAD": ":".join(p for p in (str(shim), preload) if p),
+        ENV_PEERS: ",".join(peers),
+        ENV_SOCKS: socks,
+    }
+    if debug:
+        env[ENV_DEBUG] = "1"
+    return env
+
+
 def preload_env(
     base: Mapping[str, str],
     *,
@@ -153,23 +178,31 @@ def preload_env(
     shim: Path | str = SHIM_PATH,
     debug: bool = False,
 ) -> dict[str, str]:
-    """An environment with the shim preloaded the way the placer renders it (G8): the shim
-    first in LD_PRELOAD, then what LD_PRELOAD held; the peers and the SOCKS endpoint."""
+    """`base` with the shim preloaded the way the placer renders it (`shim_env`), before what
+    `base`'s LD_PRELOAD held."""
     env = dict(base)
-    previous = env.get("LD_PRELOAD", "")
-    env["LD_PRELOAD"] = ":".join(p for p in (str(shim), previous) if p)
-    env[ENV_PEERS] = ",".join(peers)
-    env[ENV_SOCKS] = socks
-    if debug:
-        env[ENV_DEBUG] = "1"
+    env.update(
+        shim_env(
+            peers=peers, socks=socks, shim=shim, preload=env.get("LD_PRELOAD", ""), debug=debug
+        )
+    )
     return env
 
 
-def _command(
-    launcher: Sequence[str], shim: Path | str | None, check: Path | str | None, timeout: float
-) -> list[str]:
+class SelfTestOptions(TypedDict, total=False):
+    """How the check runs: `shim` and `check` (default: the built ones, built when stale),
+    `timeout` (seconds the launcher may take, 30 by default), `env` (default: ours)."""
+
+    shim: Path | str | None
+    check: Path | str | None
+    timeout: float
+    env: Mapping[str, str] | None
+
+
+def _command(launcher: Sequence[str], options: SelfTestOptions) -> list[str]:
     if not launcher:
         raise ValueError("self_test needs a launcher command")
+    shim, check = options.get("shim"), options.get("check")
     if shim is None or check is None:
         ensure_built()
     return [
@@ -178,10 +211,19 @@ def _command(
         "--shim",
         str(shim or SHIM_PATH),
         "--timeout",
-        str(max(1, math.ceil(timeout))),
+        str(max(1, math.ceil(_timeout(options)))),
         "--",
         *launcher,
     ]
+
+
+def _timeout(options: SelfTestOptions) -> float:
+    return options.get("timeout", 30.0)
+
+
+def _env(options: SelfTestOptions) -> dict[str, str] | None:
+    env = options.get("env")
+    return dict(env) if env is not None else None
 
 
 def _decode(stdout: bytes, stderr: bytes, returncode: int) -> SelfTestResult:
@@ -194,26 +236,19 @@ def _decode(stdout: bytes, stderr: bytes, returncode: int) -> SelfTestResult:
         ) from exc
 
 
-def self_test(
-    launcher: Sequence[str],
-    *,
-    shim: Path | str | None = None,
-    check: Path | str | None = None,
-    timeout: float = 30.0,
-    env: Mapping[str, str] | None = None,
-) -> SelfTestResult:
+def self_test(launcher: Sequence[str], **options: Unpack[SelfTestOptions]) -> SelfTestResult:
     """Runs `launcher` with the shim preloaded and reports whether it loaded (G10.3).
 
     The launcher is the image's own (its python, its torchrun, /bin/sh); it runs with
     stdin and stdout on /dev/null and is killed after `timeout` seconds. Raises
     NetshimCheckError when the check itself cannot report (never for ShimNotLoaded)."""
-    command = _command(launcher, shim, check, timeout)
+    command = _command(launcher, options)
     try:
         done = subprocess.run(
             command,
             capture_output=True,
-            timeout=timeout + 15,
-            env=dict(env) if env is not None else None,
+            timeout=_timeout(options) + 15,
+            env=_env(options),
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -222,26 +257,21 @@ def self_test(
 
 
 async def self_test_async(
-    launcher: Sequence[str],
-    *,
-    shim: Path | str | None = None,
-    check: Path | str | None = None,
-    timeout: float = 30.0,
-    env: Mapping[str, str] | None = None,
+    launcher: Sequence[str], **options: Unpack[SelfTestOptions]
 ) -> SelfTestResult:
     """`self_test` for asyncio code (the prober): the check runs as a subprocess."""
-    command = await asyncio.to_thread(_command, launcher, shim, check, timeout)
+    command = await asyncio.to_thread(_command, launcher, options)
     try:
         proc = await asyncio.create_subprocess_exec(
             *command,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            env=dict(env) if env is not None else None,
+            env=_env(options),
         )
     except OSError as exc:
         raise NetshimCheckError(f"cannot run {command[0]}: {exc}") from exc
     try:
-        async with asyncio.timeout(timeout + 15):
+        async with asyncio.timeout(_timeout(options) + 15):
             stdout, stderr = await proc.communicate()
     except TimeoutError as exc:
         proc.kill()

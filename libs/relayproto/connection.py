@@ -18,7 +18,7 @@ import time
 from collections import deque
 from enum import Enum
 
-from libs.relayproto.frames import Frame, FrameDecoder, Ping, Welcome, encode
+from libs.relayproto.frames import ErrorFrame, Frame, FrameDecoder, Ping, Welcome, encode
 from libs.relayproto.handshake import AcceptorHandshake, Answer, DialerHandshake
 
 READ_SIZE = 256 * 1024
@@ -153,6 +153,14 @@ class Connection:
         self._pending.extend(handshake.take_session_frames())
         return handshake
 
+    async def refuse(self, code: str, message: str) -> None:
+        """The acceptor's refusal: an ErrorFrame, given at most a second to leave."""
+        if self.send_nowait(ErrorFrame(code, message)):
+            try:
+                await asyncio.wait_for(self.writer.drain(), 1.0)
+            except (ConnectionError, TimeoutError, RuntimeError):
+                pass
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
@@ -163,3 +171,9 @@ class Connection:
         """Drop the connection now, without flushing (a relay that is told to die)."""
         self.closed = True
         self.writer.transport.abort()
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """HOST:PORT or [V6HOST]:PORT -> (host, port)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)

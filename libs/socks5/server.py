@@ -1,9 +1,10 @@
 """A thin asyncio SOCKS5 server around `ServerCodec`: `serve(host, port, dial)`.
 
 `dial(host, port)` opens the connection to the destination and returns asyncio streams; it
-is the only policy: the agent passes one that goes through the gang's tunnel and refuses
-what is not a member (`raise SocksRefusal()`), tests pass `open_connection`. Whatever it
-raises becomes the reply the client is owed (`reply_for_exception`), so the shim in front
+is the only policy: a dial refuses what it will not reach with `raise SocksRefusal()`, tests
+pass `open_connection`. (The agent's entry splices into the gang's tunnel, not into streams:
+it shares this server's handshake, `read_request`, and answers with the same codec.) Whatever
+it raises becomes the reply the client is owed (`reply_for_exception`), so the shim in front
 turns it back into the errno a direct connect would have given:
 
     ConnectionRefusedError                    -> 5 connection refused
@@ -35,6 +36,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
+from libs.runtime.tasks import TaskSet
 from libs.socks5.codec import ConnectRequest, Rejected, ReplyCode, ServerCodec
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "SocksRefusal",
     "SocksRejected",
     "open_connection_dial",
+    "read_request",
     "reply_for_exception",
     "serve",
     "splice",
@@ -126,6 +129,24 @@ def reply_for_exception(exc: BaseException) -> ReplyCode:
     return ReplyCode.GENERAL_FAILURE
 
 
+async def read_request(
+    codec: ServerCodec, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> ConnectRequest | Rejected | None:
+    """The SOCKS5 handshake, greeting to request, answering as the codec says: the CONNECT
+    request, the codec's refusal (its reply already written), or None when the client closed
+    first. Callers bound it with their handshake timeout."""
+    while True:
+        data = await reader.read(4096)
+        event = codec.receive_data(data) if data else None
+        if out := codec.data_to_send():
+            writer.write(out)
+            await writer.drain()
+        if isinstance(event, Rejected | ConnectRequest):
+            return event
+        if not data:
+            return None
+
+
 async def open_connection_dial(host: str, port: int) -> Streams:
     """Dial directly (the default, and what tests use)."""
     return await asyncio.open_connection(host, port, limit=BUFFER)
@@ -204,7 +225,7 @@ class _Handler:
         # Strong references to the connections being served: the event loop holds tasks only
         # weakly, and with uvloop a connection waiting on both half-closed sockets was
         # otherwise collected mid-splice ("Task was destroyed but it is pending").
-        self.live: set[asyncio.Task[None]] = set()
+        self.live = TaskSet("socks5 connection", log)
 
     def emit(self, event: SocksEvent) -> None:
         if self.on_event is not None:
@@ -215,10 +236,6 @@ class _Handler:
 
     async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client = _address(writer.get_extra_info("peername"))
-        task = asyncio.current_task()
-        if task is not None:
-            self.live.add(task)
-            task.add_done_callback(self.live.discard)
         try:
             await self._connection(client, reader, writer)
         except asyncio.CancelledError:
@@ -236,20 +253,14 @@ class _Handler:
         codec = ServerCodec()
         try:
             async with asyncio.timeout(self.handshake_timeout):
-                while True:
-                    data = await reader.read(4096)
-                    event = codec.receive_data(data) if data else None
-                    if out := codec.data_to_send():
-                        writer.write(out)
-                        await writer.drain()
-                    if isinstance(event, Rejected):
-                        self.emit(SocksRejected(client, event.reason, event.reply))
-                        return None
-                    if isinstance(event, ConnectRequest):
-                        return codec, event
-                    if not data:
-                        self.emit(SocksRejected(client, "closed during the handshake"))
-                        return None
+                event = await read_request(codec, reader, writer)
+            if isinstance(event, Rejected):
+                self.emit(SocksRejected(client, event.reason, event.reply))
+                return None
+            if event is None:
+                self.emit(SocksRejected(client, "closed during the handshake"))
+                return None
+            return codec, event
         except TimeoutError:
             self.emit(SocksRejected(client, f"no request within {self.handshake_timeout:g}s"))
             return None
@@ -309,4 +320,10 @@ async def serve(
     handshake_timeout bounds greeting + request from a client.
     """
     handler = _Handler(dial, dial_timeout, handshake_timeout, on_event)
-    return await asyncio.start_server(handler, host, port, limit=BUFFER, reuse_address=True)
+    return await asyncio.start_server(
+        lambda reader, writer: handler.live.spawn(handler(reader, writer)),
+        host,
+        port,
+        limit=BUFFER,
+        reuse_address=True,
+    )

@@ -243,6 +243,18 @@ class Link:
             self._ack_due = True
         return self._ack_due or self._unsent > 0
 
+    def next_deadline(self, now: float) -> float | None:
+        """When `tick` next has work: `now` while an acknowledgement is owed or the resend
+        clock has to start, the resend fallback's time while messages wait unacknowledged,
+        None while there is nothing to time."""
+        if self._since_ack:
+            return now
+        if self._unacked and self._unsent == 0:
+            if self._last_progress is None:
+                return now
+            return self._last_progress + self.rto * self._backoff
+        return None
+
     def keepalive(self) -> None:
         """Send an acknowledgement even if nothing arrived: the peer hears from us, so it can
         tell a live link from a silent one without waiting on a request."""

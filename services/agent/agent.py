@@ -24,7 +24,7 @@ from libs.contracts.lifecycle import JoinedEpoch, JoinedEpochsReply, JoinedEpoch
 from libs.contracts.relay import Member
 from libs.contracts.remediation import RebootReply, RebootRequest
 from libs.mesh import verify_join_key
-from libs.runtime.tasks import cancel_and_wait
+from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.runtime.version import VERSION as AGENT_VERSION
 from libs.wg import generate_private_key, key_to_base64, public_key
 from services.agent.gangwork import GangWork
@@ -70,7 +70,7 @@ class Agent:
         self.members = bus.bucket(names.BUCKET_MEMBERS, Member)
         self.relayed: dict[str, RelayedMember] = {}  # joinkey key -> the Relayed dataplane
         self._wg_keys: dict[str, bytes] = {}  # "gang.epoch" -> this node's WireGuard key
-        self._starting: set[asyncio.Task[None]] = set()
+        self._starting = TaskSet("agent dataplane start", log)
         self._tasks: list[asyncio.Task[None]] = []
         state = state_dir or Path(tempfile.gettempdir()) / "nodus" / self.node
         self.gangs = GangWork(bus, self.node, state / "logs", self._path_of)
@@ -120,7 +120,8 @@ class Agent:
         log.info("agent %s registered (boot %s)", self.node, self.boot_id)
 
     async def stop(self) -> None:
-        await cancel_and_wait([*self._tasks, *self._starting])
+        await cancel_and_wait(self._tasks)
+        await self._starting.close()
         await self.gangs.close()
         for runtime in self.relayed.values():
             await runtime.stop()
@@ -176,9 +177,7 @@ class Agent:
                 try:
                     joined = await self._join(change.value)
                     self.joined[change.key] = joined
-                    task = asyncio.create_task(self._start_dataplane(change.key, joined))
-                    self._starting.add(task)
-                    task.add_done_callback(self._starting.discard)
+                    self._starting.spawn(self._start_dataplane(change.key, joined))
                     JOINS.labels(self.node, "joined").inc()
                     log.info(
                         "joined %s epoch %d as rank %d", joined.gang, joined.epoch, joined.rank

@@ -9,7 +9,9 @@ import logging
 
 from prometheus_client import Counter
 
+from libs.runtime.tasks import TaskSet
 from libs.socks5 import AddressType, ConnectRequest, Rejected, ReplyCode, ServerCodec
+from libs.socks5.server import read_request
 from services.agent.tunnel import StreamRefused, Tunnel
 
 log = logging.getLogger("nodus.agent.socks")
@@ -25,29 +27,27 @@ class SocksFront:
         self.tunnel = tunnel
         self.listen = listen
         self.server: asyncio.Server | None = None
-        self._clients: set[asyncio.Task[None]] = set()
+        self._clients = TaskSet("socks client", log)
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(self._client, *self.listen)
+        self.server = await asyncio.start_server(
+            lambda reader, writer: self._clients.spawn(self._client(reader, writer)),
+            *self.listen,
+        )
 
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
-        from libs.runtime.tasks import cancel_and_wait
-
-        await cancel_and_wait(list(self._clients))
+        await self._clients.close()
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._clients.add(task)
         node = self.tunnel.node
         codec = ServerCodec()
         try:
-            request = await asyncio.wait_for(
-                self._handshake(codec, reader, writer), HANDSHAKE_TIMEOUT
-            )
-            if request is None:
+            request = await asyncio.wait_for(read_request(codec, reader, writer), HANDSHAKE_TIMEOUT)
+            if isinstance(request, Rejected):
+                log.info("SOCKS request refused: %s", request.reason)
+            if not isinstance(request, ConnectRequest):
                 REQUESTS.labels(node, "malformed").inc()
                 return
             code = self._allowed(request)
@@ -71,29 +71,8 @@ class SocksFront:
             await self.tunnel.splice(bridge, reader, writer, codec.take_early_data())
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
             pass
-        except asyncio.CancelledError:
-            pass  # the entry is stopping: end quietly (asyncio logs a cancelled handler as an error)
         finally:
-            self._clients.discard(task)
             writer.close()
-
-    async def _handshake(
-        self, codec: ServerCodec, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> ConnectRequest | None:
-        while True:
-            data = await reader.read(4096)
-            if not data:
-                return None
-            event = codec.receive_data(data)
-            reply = codec.data_to_send()
-            if reply:
-                writer.write(reply)
-                await writer.drain()
-            if isinstance(event, Rejected):
-                log.info("SOCKS request refused: %s", event.reason)
-                return None
-            if isinstance(event, ConnectRequest):
-                return event
 
     def _allowed(self, request: ConnectRequest) -> ReplyCode | None:
         """Only IP literals of this gang epoch's other members (G14)."""

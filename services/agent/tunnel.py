@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from prometheus_client import Counter, Gauge
 from libs.contracts.errors import NodusError
 from libs.relayproto import FrameError
 from libs.relayproto.client import RelayClient
-from libs.runtime.tasks import cancel_and_wait
+from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.socks5 import ReplyCode
 from libs.tunnel import (
     Closed,
@@ -54,6 +55,8 @@ LINK_ERRORS = Counter(
 
 HIGH_WATER = 2 << 20  # bytes queued to the relay before local reads pause
 READ_SIZE = 256 * 1024
+# The timers run at their deadlines, at most this often (timers due together fire together;
+# an acknowledgement owed for what arrived waits at most this long, so acks batch).
 TICK = 0.02
 # A failed open or a reset carries a SOCKS5 reply code, which the shim maps to an errno.
 GENERAL_FAILURE = ReplyCode.GENERAL_FAILURE
@@ -142,10 +145,13 @@ class Tunnel:
         self._reachability = asyncio.Event()  # pulsed when a relay or a peer comes or goes
         self._flush_scheduled = False
         self._touched: dict[tuple[bytes, int], Bridge] = {}  # bridges with an outbox to write
-        self._tasks: list[asyncio.Task[None]] = []
-        self._held: set[asyncio.Task[None]] = set()
-        self._relay_tasks: dict[str, asyncio.Task[None]] = {}
+        # The relay connections, the timers, drains and inbound streams: a crash is logged.
+        self._tasks = TaskSet("tunnel", log)
         self._streams_gauge = STREAMS.labels(node)
+        self._keepalive_at = 0.0  # when the links next say something (KEEPALIVE)
+        self._wake_at = math.inf  # when the timers sleep until
+        self._wake = asyncio.Event()  # set: a deadline earlier than _wake_at was armed
+        self.timer_wakeups = 0  # how often the timers woke (they sleep while nothing is due)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -157,13 +163,12 @@ class Tunnel:
         self.peers_by_key[key] = peer
         self.peers_by_address[address] = peer
         self.device.add_peer(key)
+        self._rearm()
 
     async def start(self) -> None:
         for relay in self.relays:
-            task = asyncio.create_task(self._keep_relay(relay))
-            task.add_done_callback(_log_crash)
-            self._relay_tasks[relay.name] = task
-        self._tasks = [asyncio.create_task(self._timers())]
+            self._tasks.spawn(self._keep_relay(relay), name=f"relay {relay.name}")
+        self._tasks.spawn(self._timers(), name="timers")
 
     async def stop(self) -> None:
         for relay in self.relays:
@@ -171,9 +176,9 @@ class Tunnel:
         for bridge in list(self.bridges.values()):
             if bridge.writer is not None:
                 bridge.writer.close()
-        tasks = [*self._tasks, *self._relay_tasks.values(), *self._held]
-        tasks += [b.task for b in self.bridges.values() if b.task is not None]
-        await cancel_and_wait(tasks)
+        await self._tasks.close()
+        # Outbound streams run in the SOCKS entry's tasks.
+        await cancel_and_wait([b.task for b in self.bridges.values() if b.task is not None])
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -247,9 +252,7 @@ class Tunnel:
 
     def _background(self, work: Coroutine[object, object, None]) -> None:
         """Run `work` as a task the tunnel holds on to (the loop keeps only weak references)."""
-        task = asyncio.get_running_loop().create_task(work)
-        self._held.add(task)
-        task.add_done_callback(self._held.discard)
+        self._tasks.spawn(work)
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -266,6 +269,7 @@ class Tunnel:
                 wire += self.device.send(peer.key, payload, now)
         if home is not None and wire:
             home.send_many(wire)  # one write for the lot
+        self._rearm()  # a send may start a handshake or arm a link's resend clock
         if home is not None and home.backlog() > HIGH_WATER and self._writable.is_set():
             self._writable.clear()
             self._background(self._drain(home))
@@ -282,23 +286,57 @@ class Tunnel:
             home.send_now(dst, message)
 
     async def _timers(self) -> None:
-        last_wg = last_keepalive = 0.0
+        """Sleep until the next deadline (WireGuard's, a link's, the links' keepalive), at
+        most every TICK (the first time TICK after the start); `_rearm` wakes it when
+        something arms an earlier one."""
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(TICK)
             now = time.monotonic()
-            due = False
-            keepalive = now - last_keepalive > KEEPALIVE
+            at = max(self._next_deadline(now), last + TICK)
+            if at - now > 1e-3:
+                self._wake_at = at
+                self._wake.clear()
+                try:
+                    async with asyncio.timeout(None if at == math.inf else at - now):
+                        await self._wake.wait()
+                except TimeoutError:
+                    pass
+                self.timer_wakeups += 1
+                continue
+            last = now
+            self._wake_at = math.inf
+            self._fire_timers(now)
+
+    def _next_deadline(self, now: float) -> float:
+        at = self._keepalive_at if self.peers_by_key else math.inf
+        wg = self.device.next_deadline()
+        if wg is not None:
+            at = min(at, wg)
+        for peer in self.peers_by_key.values():
+            link = peer.link.next_deadline(now)
+            if link is not None:
+                at = min(at, link)
+        return at
+
+    def _rearm(self) -> None:
+        """Something may have armed a deadline: wake the timers if it is earlier."""
+        if self._next_deadline(time.monotonic()) < self._wake_at:
+            self._wake.set()
+
+    def _fire_timers(self, now: float) -> None:
+        due = False
+        keepalive = now >= self._keepalive_at
+        if keepalive:
+            self._keepalive_at = now + KEEPALIVE
+        for peer in self.peers_by_key.values():
             if keepalive:
-                last_keepalive = now
-            for peer in self.peers_by_key.values():
-                if keepalive:
-                    peer.link.keepalive()
-                due |= peer.link.tick(now)
-            if now - last_wg > 0.25:
-                last_wg = now
-                self._send_wire(self.device.tick(now))
-            if due:
-                self._schedule_flush()
+                peer.link.keepalive()
+            due |= peer.link.tick(now)
+        wg = self.device.next_deadline()
+        if wg is not None and wg <= now:
+            self._send_wire(self.device.tick(now))
+        if due:
+            self._schedule_flush()
 
     # -- receiving -----------------------------------------------------------------------------
 
@@ -340,7 +378,7 @@ class Tunnel:
         elif isinstance(event, StreamOpened):
             bridge = Bridge(peer, event.stream)
             self.bridges[key] = bridge
-            bridge.task = asyncio.get_running_loop().create_task(self._inbound(bridge, event.port))
+            bridge.task = self._tasks.spawn(self._inbound(bridge, event.port))
         elif isinstance(event, OpenResult):
             if bridge is not None and bridge.opened is not None and not bridge.opened.done():
                 bridge.opened.set_result(0 if event.ok else event.code)
@@ -601,9 +639,3 @@ class Tunnel:
         self.bridges.pop((bridge.peer.key, bridge.stream), None)
         self._streams_gauge.set(len(self.bridges))
         self._schedule_flush()
-
-
-def _log_crash(task: asyncio.Task[None]) -> None:
-    """A relay task that died of a bug says so loudly (it is never an expected ending)."""
-    if not task.cancelled() and task.exception() is not None:
-        log.error("relay task crashed", exc_info=task.exception())

@@ -47,6 +47,10 @@ class WgDevice:
     def tick(self, now: float) -> Wire:
         return _wire(self._device.tick(now))
 
+    def next_deadline(self) -> float | None:
+        """When `tick` next has something to fire (None: no timer armed)."""
+        return self._device.next_deadline()
+
 
 def _wire(events: list[WgEvent] | list[Outgoing] | list[Outgoing | HandshakeFailed]) -> Wire:
     out: Wire = []

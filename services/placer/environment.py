@@ -7,6 +7,7 @@ import ipaddress
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeRecord
 from libs.contracts.jobs import Job, PathClass
+from libs.netshim import shim_env
 from services.placer.planner import Plan
 
 # The path fixes these; every other NCCL_* the user sets wins (G8).
@@ -93,11 +94,15 @@ def rank_environments(
         )
         env.pop("LD_PRELOAD", None)
         if plan.path is PathClass.RELAYED:
-            image_preload = job.spec.image.env.get("LD_PRELOAD", "")
             # The shim first, then the image's own preloads (G8).
-            env["LD_PRELOAD"] = ":".join(p for p in (shim_path, image_preload) if p)
-            env["NODUS_NETSHIM_PEERS"] = ",".join(a for a in addresses if a != member.address)
-            env["NODUS_NETSHIM_SOCKS"] = record.socks_endpoint
+            env.update(
+                shim_env(
+                    peers=[a for a in addresses if a != member.address],
+                    socks=record.socks_endpoint,
+                    shim=shim_path,
+                    preload=job.spec.image.env.get("LD_PRELOAD", ""),
+                )
+            )
         else:
             preload = job.spec.env.get("LD_PRELOAD") or job.spec.image.env.get("LD_PRELOAD")
             if preload:

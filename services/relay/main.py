@@ -11,8 +11,9 @@ from pathlib import Path
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.errors import ErrorCode, NodusError
+from libs.relayproto.connection import split_address
 from libs.runtime import add_common_flags, run_daemon
-from services.relay.relay import Relay, _split
+from services.relay.relay import Relay
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +83,7 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
             args.key_file.write_bytes(os.urandom(32))
             args.key_file.chmod(0o600)
         private_key = _read_secret(args.key_file, "relay key", 32)
-    host, port = _split(args.listen)
+    host, port = split_address(args.listen)
     bus = await Bus.open(
         args.nats,
         name=f"nodus-relay-{args.name}",

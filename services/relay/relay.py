@@ -21,10 +21,7 @@ from libs.contracts.jobs import PathClass
 from libs.contracts.relay import RelayRecord
 from libs.relayproto import (
     Absent,
-    Challenge,
-    ErrorFrame,
     Forward,
-    Frame,
     FrameError,
     Hello,
     Home,
@@ -38,28 +35,26 @@ from libs.relayproto import (
     Welcome,
     encode,
     member_proof,
-    mesh_proof,
     wireguard_type,
     x25519_public,
 )
 from libs.relayproto.connection import DEAD_AFTER, Connection, Offered
-from libs.relayproto.handshake import HandshakeRefused
-from libs.runtime.tasks import cancel_and_wait
+from libs.runtime.tasks import TaskSet
 from libs.runtime.version import VERSION
 from services.relay.billing import UsageMeter
 from services.relay.buckets import TokenBucket
 from services.relay.membership import Identity, Membership
+from services.relay.mesh import Mesh
 from services.relay.metrics import (
     BUCKET_WAIT,
     BYTES,
     DESTINATION_DROPS,
     DROPPED,
     FAILOVERS,
-    MESH_LOSSES,
-    MESH_PEERS,
     REFUSED,
     SESSIONS,
 )
+from services.relay.reading import read_frames
 
 log = logging.getLogger("nodus.relay")
 READ_SIZE = 256 * 1024
@@ -86,15 +81,6 @@ class MemberSession:
         self.bytes_out = BYTES.labels(self.identity.gang, self.identity.node, "out")
 
 
-@dataclass
-class MeshPeer:
-    """Our outbound link to another relay: we forward to it and tell it who is homed here."""
-
-    address: str
-    conn: Connection | None = None
-    name: str = ""
-
-
 class Relay:
     def __init__(
         self,
@@ -113,7 +99,6 @@ class Relay:
         self.name = name
         self.region = region
         self.listen = listen
-        self.mesh_key = mesh_key
         self.private_key = private_key or os.urandom(32)
         self.public_key = x25519_public(self.private_key)
         self.rate_limit = rate_limit
@@ -121,13 +106,11 @@ class Relay:
         self.membership = Membership(bus)
         self.meter = UsageMeter(bus, name, usage_journal)
         self.sessions: dict[bytes, MemberSession] = {}
-        self.peers = {address: MeshPeer(address) for address in mesh_with}
-        # Who is homed on each other relay, as that relay tells us on its link to us.
-        self.remote: dict[str, dict[bytes, tuple[str, int]]] = {}
+        self.mesh = Mesh(name, region, mesh_key, mesh_with, self)
         self.relays = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
         self.server: asyncio.Server | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self._handlers: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet("relay", log)  # the relay's own loops
+        self._handlers = TaskSet("relay connection", log)  # one per accepted connection
         self._touched: list[MemberSession] = []  # sessions with an outbox to write
 
     @property
@@ -140,15 +123,17 @@ class Relay:
     async def start(self) -> None:
         await self.membership.start()
         self.membership.on_fence.append(self._fence)
-        self.server = await asyncio.start_server(self._accept, *self.listen, limit=READ_SIZE)
+        self.server = await asyncio.start_server(
+            lambda reader, writer: self._handlers.spawn(self._accept(reader, writer)),
+            *self.listen,
+            limit=READ_SIZE,
+        )
         if self.listen[1] == 0:
             self.listen = (self.listen[0], self.server.sockets[0].getsockname()[1])
-        self._tasks = [
-            asyncio.create_task(self.meter.run()),
-            asyncio.create_task(self._announce()),
-            asyncio.create_task(self._sweep_silent()),
-            *(asyncio.create_task(self._mesh_link(peer)) for peer in self.peers.values()),
-        ]
+        self._tasks.spawn(self.meter.run(), name="usage meter")
+        self._tasks.spawn(self._announce(), name="announce")
+        self._tasks.spawn(self._sweep_silent(), name="sweep silent members")
+        self._tasks.spawn(self.mesh.run(), name="mesh links")
         log.info("relay %s (%s) listening on %s", self.name, self.region, self.address)
 
     async def stop(self) -> None:
@@ -156,10 +141,9 @@ class Relay:
             self.server.close()
         for session in list(self.sessions.values()):
             session.conn.close()
-        for peer in self.peers.values():
-            if peer.conn:
-                peer.conn.close()
-        await cancel_and_wait([*self._tasks, *self._handlers])
+        self.mesh.close()
+        await self._tasks.close()
+        await self._handlers.close()
         await self.meter.flush()
         self.meter.close()
         await self.membership.stop()
@@ -186,9 +170,6 @@ class Relay:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection's whole life. What goes wrong here belongs to this connection: it
         is counted and the connection closed; no other session is touched."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
         conn = Connection(reader, writer)
         try:
             handshake = await conn.accept(self.public_key)
@@ -196,17 +177,14 @@ class Relay:
             if isinstance(hello, Hello):
                 await self._member(conn, hello, handshake.nonce)
             elif isinstance(hello, MeshHello):
-                await self._inbound_mesh(conn, hello, handshake.nonce)
+                await self.mesh.inbound(conn, hello, handshake.nonce)
         except FrameError as error:
             DROPPED.labels("malformed").inc()
-            await _refuse(conn, "malformed", str(error))
+            await conn.refuse("malformed", str(error))
         except (TimeoutError, OSError):
             pass  # the peer went away or never finished its hello
-        except asyncio.CancelledError:
-            pass  # the relay is stopping: end quietly (asyncio logs a cancelled handler as an error)
         finally:
             conn.close()
-            self._handlers.discard(task)
 
     async def _member(self, conn: Connection, hello: Hello, nonce: bytes) -> None:
         identity = self.membership.identity(hello.wg_key)
@@ -219,15 +197,14 @@ class Relay:
             hello.node,
         ):
             REFUSED.labels("not_a_member").inc()
-            await _refuse(
-                conn,
+            await conn.refuse(
                 "NotAMember",
                 f"{hello.node} is not a live member of {hello.gang} epoch {hello.epoch}",
             )
             return
         if not hmac.compare_digest(expected, hello.proof):
             REFUSED.labels("bad_proof").inc()
-            await _refuse(conn, "BadProof", "the proof does not match the member's WireGuard key")
+            await conn.refuse("BadProof", "the proof does not match the member's WireGuard key")
             return
         bounds = derive(PathClass.RELAYED, identity.members)
         rate = bounds.relay_member_bits_per_second if self.rate_limit else 0
@@ -241,16 +218,16 @@ class Relay:
         SESSIONS.set(len(self.sessions))
         conn.send_nowait(Welcome(self.name, self.region, rate))
         conn.send_nowait(PresenceDump(tuple(self._reachable_peers(session))))
-        self._tell_peers(Present(hello.wg_key, identity.gang, identity.epoch))
-        self._presence_changed(hello.wg_key, identity.gang, identity.epoch)
+        self.mesh.tell(Present(hello.wg_key, identity.gang, identity.epoch))
+        self.presence_changed(hello.wg_key, identity.gang, identity.epoch)
         try:
             await self._member_loop(session)
         finally:
             if self.sessions.get(hello.wg_key) is session:
                 del self.sessions[hello.wg_key]
                 SESSIONS.set(len(self.sessions))
-                self._tell_peers(Absent(hello.wg_key))
-                self._presence_changed(hello.wg_key, identity.gang, identity.epoch)
+                self.mesh.tell(Absent(hello.wg_key))
+                self.presence_changed(hello.wg_key, identity.gang, identity.epoch)
 
     async def _member_loop(self, session: MemberSession) -> None:
         """Read one member's frames and forward them. Only this member's own conduct ends its
@@ -261,12 +238,7 @@ class Relay:
         sent = BYTES.labels(gang, node, "in")
         waited = BUCKET_WAIT.labels(gang, node)
         identity = session.identity
-        while not conn.closed:
-            try:
-                frames = await conn.read_frames()
-            except FrameError:
-                DROPPED.labels("malformed").inc()
-                return
+        while (frames := await read_frames(conn)) is not None:
             sends: list[Send] = []
             for frame in frames:
                 if isinstance(frame, Send):
@@ -322,11 +294,9 @@ class Relay:
             self._touched.append(local)
             return None
         if not from_mesh:
-            for relay, present in self.remote.items():
-                if dst in present:
-                    peer = self._link_to(relay)
-                    if peer is not None and peer.conn is not None:
-                        return peer.conn
+            link = self.mesh.link_for(dst)
+            if link is not None:
+                return link
         DROPPED.labels("no_route").inc()
         return None
 
@@ -345,12 +315,6 @@ class Relay:
             else:
                 DROPPED.labels(offered.value).inc(len(frames))
                 DESTINATION_DROPS.labels(*local.label, offered.value).inc(len(frames))
-
-    def _link_to(self, relay: str) -> MeshPeer | None:
-        for peer in self.peers.values():
-            if peer.name == relay and peer.conn is not None and not peer.conn.closed:
-                return peer
-        return None
 
     def _fence(self, gang: str, epoch: int) -> None:
         """G9: a fenced epoch's sessions are closed; its frames are dropped from now on."""
@@ -386,157 +350,32 @@ class Relay:
             for k, s in self.sessions.items()
             if (s.identity.gang, s.identity.epoch) == (gang, epoch)
         }
-        for present in self.remote.values():
-            keys |= {k for k, where in present.items() if where == (gang, epoch)}
+        keys |= self.mesh.present_in(gang, epoch)
         keys.discard(session.key)
         return [Present(k, gang, epoch) for k in sorted(keys)]
 
     def _reachable(self, key: bytes) -> bool:
-        if key in self.sessions:
-            return True
-        return any(
-            key in present and self._link_to(relay) is not None
-            for relay, present in self.remote.items()
-        )
+        return key in self.sessions or self.mesh.reachable(key)
 
-    def _presence_changed(self, key: bytes, gang: str, epoch: int) -> None:
+    # -- what the mesh asks of us (mesh.Homed) -------------------------------------------------
+
+    def homed(self) -> list[Present]:
+        return [Present(k, s.identity.gang, s.identity.epoch) for k, s in self.sessions.items()]
+
+    def is_homed(self, key: bytes) -> bool:
+        return key in self.sessions
+
+    def deliver(self, forwards: list[Forward]) -> None:
+        for frame in forwards:
+            self._route(frame.src, frame.dst, frame.message, from_mesh=True)
+        self._write_out()
+
+    def presence_changed(self, key: bytes, gang: str, epoch: int) -> None:
         """Tell the epoch's members homed here whether `key` is reachable through us now."""
         frame: Present | Absent = Present(key, gang, epoch) if self._reachable(key) else Absent(key)
         for other in list(self.sessions.values()):
             if other.key != key and (other.identity.gang, other.identity.epoch) == (gang, epoch):
                 other.conn.send_nowait(frame)
-
-    # -- mesh ----------------------------------------------------------------------------------
-
-    def _tell_peers(self, frame: Frame) -> None:
-        for peer in self.peers.values():
-            if peer.conn is not None and not peer.conn.closed:
-                peer.conn.send_nowait(frame)
-
-    async def _mesh_link(self, peer: MeshPeer) -> None:
-        """Keep our link to one mesh peer up: prove the mesh key, learn its name, dump who is
-        homed here, then send presence deltas (via _tell_peers) and forwarded frames."""
-        host, port = _split(peer.address)
-
-        def hello(challenge: Challenge) -> MeshHello:
-            return MeshHello(self.name, mesh_proof(self.mesh_key, challenge.nonce, self.name))
-
-        while True:
-            conn: Connection | None = None
-            try:
-                reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 3.0)
-                conn = Connection(reader, writer)
-                welcome = await conn.dial(hello)
-                peer.name = welcome.relay
-                peer.conn = conn
-                self._count_mesh()
-                conn.send_nowait(
-                    PresenceDump(
-                        tuple(
-                            Present(k, s.identity.gang, s.identity.epoch)
-                            for k, s in self.sessions.items()
-                        )
-                    )
-                )
-                self._mesh_reachability_changed(peer.name)
-                log.info("mesh link to %s (%s) up", peer.name, peer.address)
-                pinger = asyncio.get_running_loop().create_task(conn.keep_alive())
-                try:
-                    while not conn.closed:  # only Pongs come back; EOF: the peer is gone
-                        await conn.read_frames()
-                finally:
-                    pinger.cancel()
-            except asyncio.CancelledError:
-                raise
-            except HandshakeRefused as refused:
-                log.warning("mesh peer %s refused us: %s", peer.address, refused)
-            except (OSError, TimeoutError, FrameError) as error:
-                if peer.conn is not None:
-                    why = f"silent for more than {DEAD_AFTER:g} s" if peer.conn.silent else error
-                    log.warning("mesh link to %s lost: %s", peer.address, why)
-                    MESH_LOSSES.labels(peer.name or peer.address).inc()
-            finally:
-                if conn is not None:
-                    conn.close()
-                was_up = peer.conn is not None
-                peer.conn = None
-                self._count_mesh()
-                if was_up:
-                    self._mesh_reachability_changed(peer.name)
-            await asyncio.sleep(0.5)
-
-    def _mesh_reachability_changed(self, relay: str) -> None:
-        """Our link to `relay` came up or went down: its members' reachability changed."""
-        for key, (gang, epoch) in list(self.remote.get(relay, {}).items()):
-            if key not in self.sessions:
-                self._presence_changed(key, gang, epoch)
-
-    def _count_mesh(self) -> None:
-        MESH_PEERS.set(
-            sum(1 for p in self.peers.values() if p.conn is not None and not p.conn.closed)
-        )
-
-    async def _inbound_mesh(self, conn: Connection, hello: MeshHello, nonce: bytes) -> None:
-        """Another relay's link to us: its presence, and frames it forwards to our members.
-        This loop is shared by every gang crossing the mesh: it never waits for a member."""
-        if not hmac.compare_digest(mesh_proof(self.mesh_key, nonce, hello.name), hello.proof):
-            REFUSED.labels("bad_mesh_proof").inc()
-            await _refuse(conn, "BadProof", "wrong mesh key")
-            return
-        conn.send_nowait(Welcome(self.name, self.region, 0))
-        present: dict[bytes, tuple[str, int]] = {}
-        self.remote[hello.name] = present
-        try:
-            while not conn.closed:
-                try:
-                    frames = await conn.read_frames()
-                except FrameError:
-                    DROPPED.labels("malformed").inc()
-                    return
-                for frame in frames:
-                    if isinstance(frame, Forward):
-                        self._route(frame.src, frame.dst, frame.message, from_mesh=True)
-                        continue
-                    elif isinstance(frame, PresenceDump):
-                        before = dict(present)
-                        present.clear()
-                        present.update({e.key: (e.gang, e.epoch) for e in frame.entries})
-                        for key, where in {**before, **present}.items():
-                            if key not in self.sessions:
-                                self._presence_changed(key, *where)
-                    elif isinstance(frame, Present):
-                        present[frame.key] = (frame.gang, frame.epoch)
-                        if frame.key not in self.sessions:
-                            self._presence_changed(frame.key, frame.gang, frame.epoch)
-                    elif isinstance(frame, Absent):
-                        gone = present.pop(frame.key, ("", 0))
-                        if gone[0] and frame.key not in self.sessions:
-                            self._presence_changed(frame.key, *gone)
-                    elif isinstance(frame, Ping):
-                        conn.send_nowait(Pong(frame.data))
-                    else:
-                        DROPPED.labels("unexpected_frame").inc()
-                self._write_out()
-        finally:
-            self._write_out()
-            if self.remote.get(hello.name) is present:
-                del self.remote[hello.name]
-                for key, where in present.items():
-                    if key not in self.sessions:
-                        self._presence_changed(key, *where)
-
-
-async def _refuse(conn: Connection, code: str, message: str) -> None:
-    if conn.send_nowait(ErrorFrame(code, message)):
-        try:
-            await asyncio.wait_for(conn.writer.drain(), 1.0)
-        except (ConnectionError, TimeoutError, RuntimeError):
-            pass
-
-
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 def _b64(raw: bytes) -> str:

@@ -52,7 +52,7 @@ async def meshed_relays(bus: Bus) -> list[Relay]:
     for relay in relays:
         await relay.start()
     for _ in range(100):
-        if all(any(p.conn for p in r.peers.values()) and r.remote for r in relays):
+        if all(any(p.conn for p in r.mesh.peers.values()) and r.mesh.remote for r in relays):
             break
         await asyncio.sleep(0.05)
     return relays

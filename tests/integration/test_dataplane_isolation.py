@@ -46,7 +46,7 @@ async def crash(relay: Relay) -> None:
         relay.server.close()
     for session in list(relay.sessions.values()):
         session.conn.abort()
-    for peer in relay.peers.values():
+    for peer in relay.mesh.peers.values():
         if peer.conn is not None:
             peer.conn.abort()
     await cancel_and_wait([*relay._tasks, *relay._handlers])

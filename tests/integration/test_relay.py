@@ -23,7 +23,7 @@ async def present_everywhere(relays: tuple[Relay, Relay], *nodes: Node) -> None:
     """Wait until each relay knows where every node is homed (presence crossed the mesh)."""
     for _ in range(200):
         if all(
-            n.public in r.sessions or any(n.public in p for p in r.remote.values())
+            n.public in r.sessions or any(n.public in p for p in r.mesh.remote.values())
             for r in relays
             for n in nodes
         ):

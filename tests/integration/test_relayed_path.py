@@ -13,8 +13,29 @@ import pytest
 
 from libs.bus.server import free_port
 from tests.conftest import eventually
-from tests.integration.conftest import Gang
+from tests.integration.conftest import Gang, metric
 from tests.socks_client import socks_connect
+
+WG_DROPS = "nodus_agent_wireguard_drops_total"
+
+
+async def echo_through(gang: Gang, data: bytes = b"still here") -> None:
+    """A fresh connection from member A's SOCKS entry to a listener on member B carries bytes
+    both ways."""
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write((await reader.read(1 << 16)).upper())
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, gang.addresses[1], 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        code, reader, writer = await socks_connect(gang.socks[0], gang.addresses[1], port)
+        assert code == 0
+        writer.write(data)
+        assert await asyncio.wait_for(reader.read(100), 10) == data.upper()
+        writer.close()
 
 
 async def test_a_program_on_one_member_reaches_a_listener_on_the_other(gang: Gang) -> None:
@@ -110,6 +131,7 @@ class Recording:
 @pytest.fixture
 def relay_io(monkeypatch: pytest.MonkeyPatch) -> Recording:
     from libs.relayproto import connection as connection_module
+    from services.relay import mesh as mesh_module
     from services.relay import relay as relay_module
 
     recording = Recording()
@@ -130,6 +152,7 @@ def relay_io(monkeypatch: pytest.MonkeyPatch) -> Recording:
             return base.send_nowait(self, frame)
 
     monkeypatch.setattr(relay_module, "Connection", RecordingConnection)
+    monkeypatch.setattr(mesh_module, "Connection", RecordingConnection)
     return recording
 
 
@@ -163,36 +186,41 @@ async def test_relays_see_only_ciphertext(relay_io: Recording, gang: Gang) -> No
 
 
 async def test_forged_wireguard_messages_are_dropped_and_counted(gang: Gang) -> None:
-    from prometheus_client import REGISTRY
-
+    """Each kind of forgery a relay would carry (it sees ciphertext only) is dropped by the
+    receiving member under its own reason, and the gang goes on."""
     runtime_a = next(iter(gang.agents[0].relayed.values()))
     runtime_b = next(iter(gang.agents[1].relayed.values()))
-    assert runtime_a.tunnel is not None and runtime_b.tunnel is not None
-    home = runtime_a.tunnel.home
+    tunnel_a, tunnel_b = runtime_a.tunnel, runtime_b.tunnel
+    assert tunnel_a is not None and tunnel_b is not None
+    home = tunnel_a.home
     assert home is not None
-    before = sum(
-        s.value
-        for m in REGISTRY.collect()
-        if m.name == "nodus_agent_wireguard_drops"
-        for s in m.samples
-        if s.name.endswith("_total")
-    )
-    forged = b"\x04\x00\x00\x00" + os.urandom(12) + os.urandom(64) + os.urandom(16)
-    home.send_now(runtime_b.tunnel.device.public_key, forged)
+    await echo_through(gang)  # a session between A and B is up
+    session = tunnel_b.device._device.peers[tunnel_a.device.public_key].current
+    assert session is not None
+    real_index = session.local_index.to_bytes(4, "little")
+    forgeries = {
+        # A transport message for a receiver index B never handed out.
+        "unknown receiver index": b"\x04\x00\x00\x00"
+        + (session.local_index ^ 0x5A5A5A5A).to_bytes(4, "little")
+        + os.urandom(8 + 64 + 16),
+        # One for B's live session, with a counter and ciphertext nobody encrypted.
+        "transport authentication failed": b"\x04\x00\x00\x00"
+        + real_index
+        + os.urandom(8 + 64 + 16),
+        # An initiation of the right size that no key made.
+        "bad mac1": b"\x01\x00\x00\x00" + os.urandom(148 - 4),
+    }
+    for reason, forged in forgeries.items():
+        before = {r: metric(WG_DROPS, reason=r) for r in forgeries}
+        home.send_now(tunnel_b.device.public_key, forged)
 
-    async def counted() -> bool:
-        after = sum(
-            s.value
-            for m in REGISTRY.collect()
-            if m.name == "nodus_agent_wireguard_drops"
-            for s in m.samples
-            if s.name.endswith("_total")
-        )
-        return after > before
+        async def counted(reason: str = reason, before: dict[str, float] = before) -> bool:
+            return metric(WG_DROPS, reason=reason) == before[reason] + 1
 
-    await eventually(counted)
-    # The gang still works.
-    await test_a_program_on_one_member_reaches_a_listener_on_the_other(gang)
+        await eventually(counted)
+        others = {r: metric(WG_DROPS, reason=r) for r in forgeries if r != reason}
+        assert others == {r: v for r, v in before.items() if r != reason}
+    await echo_through(gang)
 
 
 async def test_a_replayed_hello_is_refused(gang: Gang) -> None:
@@ -223,16 +251,42 @@ async def test_a_replayed_hello_is_refused(gang: Gang) -> None:
 
 
 async def test_garbage_thrown_at_relays_and_socks_is_survived(gang: Gang) -> None:
+    """Random bytes at the relays' and the agents' listeners: each such connection is counted
+    as malformed and dropped; the relays keep serving the gang's sessions, the agents keep
+    their tunnels, and a fresh connection through the gang works."""
     rng = random.Random(11)
     targets = [r.listen for r in gang.relays] + list(gang.socks)
+    sessions = [set(r.sessions) for r in gang.relays]
+    homes = [next(iter(a.relayed.values())).tunnel for a in gang.agents]
+    relay_malformed = metric("nodus_relay_frames_dropped_total", reason="malformed")
+    socks_malformed = [
+        metric("nodus_agent_socks_requests_total", node=a.node, outcome="malformed")
+        for a in gang.agents
+    ]
     for _ in range(40):
         host, port = rng.choice(targets)
         reader, writer = await asyncio.open_connection(host, port)
-        writer.write(rng.randbytes(rng.randint(1, 400)))
+        # Never a SOCKS5 greeting (version 5) nor a frame the relay could wait on.
+        writer.write(b"\xff" + rng.randbytes(rng.randint(4, 400)))
         try:
             await writer.drain()
             await asyncio.wait_for(reader.read(1000), 1.0)
         except (TimeoutError, ConnectionError):
             pass
         writer.close()
-    await test_a_program_on_one_member_reaches_a_listener_on_the_other(gang)
+
+    async def all_counted() -> bool:
+        return metric("nodus_relay_frames_dropped_total", reason="malformed") > relay_malformed
+
+    await eventually(all_counted)
+    for agent, before in zip(gang.agents, socks_malformed, strict=True):
+        after = metric("nodus_agent_socks_requests_total", node=agent.node, outcome="malformed")
+        assert after > before
+    for relay, before_sessions in zip(gang.relays, sessions, strict=True):
+        assert relay.server is not None and relay.server.is_serving()
+        assert all(not task.done() for task in relay._tasks)
+        assert set(relay.sessions) == before_sessions
+    for agent, tunnel in zip(gang.agents, homes, strict=True):
+        assert tunnel is not None and tunnel.home is not None
+        assert next(iter(agent.relayed.values())).tunnel is tunnel
+    await echo_through(gang)

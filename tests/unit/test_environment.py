@@ -302,3 +302,24 @@ def test_ranks_are_distinct_and_share_one_master() -> None:
     assert [env["NODE_RANK"] for env in envs] == ["0", "1"]
     assert len({env["MASTER_ADDR"] for env in envs}) == 1
     assert {env["NODUS_EPOCH"] for env in envs} == {str(EPOCH)}
+
+
+@pytest.mark.parametrize("image_preload", ["", "/usr/lib/libjemalloc.so.2"])
+def test_relayed_env_is_what_netshim_preload_env_renders(image_preload: str) -> None:
+    """One rendering of the shim's variables: the placer's rank env is the rank's env without
+    them, preloaded by `libs.netshim.preload_env` (what the shim's own tests run programs with),
+    to the letter and in the same order."""
+    from libs import netshim
+
+    image = {"env": {"LD_PRELOAD": image_preload}} if image_preload else {}
+    the_job, plan, records = planned(PathClass.RELAYED, 3, image=image)
+    envs = rank_environments(the_job, plan, records, EPOCH, PORT, SHIM)
+    for member, env in zip(plan.members, envs, strict=True):
+        base = {k: v for k, v in env.items() if k not in G8_RELAYED}
+        if image_preload:
+            base["LD_PRELOAD"] = image_preload
+        peers = [m.address for m in plan.members if m is not member]
+        rendered = netshim.preload_env(
+            base, peers=peers, socks=records[member.node].socks_endpoint, shim=SHIM
+        )
+        assert list(rendered.items()) == list(env.items())

@@ -243,3 +243,28 @@ def test_a_send_the_stream_had_credit_for_is_taken_whole_even_if_others_filled_t
     assert a.send(control, b"\x04") == 1  # TEST_END: all of it, or nothing would tell
     got = [e for p in a.outgoing() for e in b.receive(p) if isinstance(e, Data)]
     assert b"".join(e.data for e in got if e.stream == control) == b"\x04"
+
+
+def test_next_deadline_says_when_tick_has_work() -> None:
+    """What the tunnel sleeps until: nothing to time on an idle link; an owed acknowledgement
+    or a resend clock to start at once; then the resend fallback's time, doubling with each
+    resend that brought no progress."""
+    pair = Pair()
+    assert pair.a.next_deadline(1.0) is None
+    stream = open_pair(pair)
+    pair.a.send(stream, b"x" * 100)
+    pair.to_b += pair.a.outgoing()
+    assert pair.a.next_deadline(1.0) == 1.0  # unacknowledged: the resend clock starts
+    assert not pair.a.tick(1.0)
+    assert pair.a.next_deadline(1.5) == 1.0 + pair.a.rto
+    assert pair.a.tick(1.0 + pair.a.rto + 0.01)  # the fallback resend, due to go out
+    assert pair.a.next_deadline(3.5) is None  # the flush that `tick` asked for times it
+    pair.to_b += pair.a.outgoing()
+    assert pair.a.next_deadline(4.0) == 1.0 + pair.a.rto + 0.01 + 2 * pair.a.rto
+    for payload in pair.to_b:
+        pair.b.receive(payload)
+    assert pair.b.next_deadline(5.0) == 5.0  # an acknowledgement is owed
+    pair.b.tick(5.0)
+    pair.a.receive(b"".join(pair.b.outgoing()))
+    assert pair.b.next_deadline(5.0) is None
+    assert pair.a.next_deadline(5.0) is None  # acknowledged: nothing left to time
