@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Coroutine
@@ -19,7 +20,39 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from tests.bench.relay import _loop_factory
+
+def progress(bench: str) -> Callable[[str], None]:
+    """The bench's progress line writer: `[bench.NAME] message` on stderr (stdout carries
+    the JSON)."""
+
+    def log(message: str) -> None:
+        print(f"[bench.{bench}] {message}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def bench_parser(bench: str, doc: str | None) -> argparse.ArgumentParser:
+    """`python -m tests.bench.NAME`'s parser, its module docstring as the help text."""
+    return argparse.ArgumentParser(
+        prog=f"python -m tests.bench.{bench}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when it is there, like the daemons: the harness should cost as little as it can."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+async def sleep_until(when: float) -> None:
+    """Sleep until the monotonic clock reads `when` (at once if it is past)."""
+    await asyncio.sleep(max(0.0, when - time.monotonic()))
 
 
 class Interrupted(Exception):
@@ -42,7 +75,7 @@ def run_main(main: Coroutine[Any, Any, dict[str, Any]], budget: float) -> dict[s
             signal.signal(signal.SIGTERM, terminate)
 
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
             return runner.run(guarded())
     except (asyncio.CancelledError, KeyboardInterrupt):
         raise Interrupted("stopped by SIGTERM or Ctrl-C before the run finished") from None
