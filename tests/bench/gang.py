@@ -62,6 +62,7 @@ from libs.contracts.jobs import Job, PathClass, Phase
 from libs.contracts.lifecycle import PairResult, ProbeRecord
 from libs.contracts.relay import Member
 from services.prober.schedule import rounds
+from tests.bench.running import bench_parser, progress
 from tests.factories import job
 
 WORKLOAD = REPO / "examples" / "workloads" / "allreduce.py"
@@ -71,16 +72,11 @@ RTTS_PER_PAIR = 30
 LOOPBACK = ("127.0.0.61", "127.0.0.62")
 
 
-def log(message: str) -> None:
-    print(f"[bench.gang] {message}", file=sys.stderr, flush=True)
+log = progress("gang")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m tests.bench.gang",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("gang", __doc__)
     parser.add_argument("--members", default="2,4,8", help="gang sizes whose probe is timed (2..8)")
     parser.add_argument(
         "--sample-seconds", type=float, default=2.0, help="the probe's throughput sample"
