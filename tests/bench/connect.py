@@ -57,7 +57,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import re
 import resource
 import signal
@@ -75,7 +74,14 @@ from libs import netshim
 from services.placer.config import DEFAULT_CONFIG, load_config
 from tests.bench.relay_streams import ratio
 from tests.bench.relay_system import ORG, Bench, cleanup
-from tests.bench.running import bench_parser, progress, run_bench, terminate
+from tests.bench.running import (
+    add_run_flags,
+    bench_main,
+    bench_parser,
+    machine_facts,
+    progress,
+    run_bench,
+)
 from tests.bench.sampling import cpu_seconds, kill_left_behind, machine_busy, spawned_below
 
 # How B's agent is stopped, and whether the placer's heartbeat timeout is raised out of the
@@ -131,9 +137,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=300.0,
         help="the placer's heartbeat timeout in the modes that raise it, seconds",
     )
-    parser.add_argument("--budget", type=float, default=900.0, help="the whole run, seconds")
-    parser.add_argument("--keep-state", action="store_true", help="keep the state dir and logs")
-    parser.add_argument("--quick", action="store_true", help="200 connects, 2 dead ones (smoke)")
+    add_run_flags(parser, 900.0, "200 connects, 2 dead ones (smoke)")
     args = parser.parse_args(argv)
     if args.quick:
         args.connects, args.rounds, args.dead = 200, 4, 2
@@ -476,12 +480,7 @@ async def run_async(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             "modes": args.modes,
             "placer_heartbeat_timeout_raised_s": args.placer_timeout,
         },
-        "machine": {
-            "cpus": os.cpu_count(),
-            "kernel": platform.release(),
-            "python": platform.python_version(),
-            "loadavg_at_start": os.getloadavg(),
-        },
+        "machine": machine_facts(),
         "modes": {},
     }
     bench = ConnectBench(args, state)
@@ -541,13 +540,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, terminate)
-    try:
-        result = run(parse_args(argv))
-    finally:
-        cleanup()
-    print(json.dumps(result, indent=2))
-    return 1 if "error" in result else 0
+    return bench_main(run, parse_args(argv), cleanup)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ from libs.contracts.jobs import Job, PathClass, Phase
 from libs.contracts.lifecycle import PairResult, ProbeRecord
 from libs.contracts.relay import Member
 from services.prober.schedule import rounds
-from tests.bench.running import bench_parser, progress
+from tests.bench.running import add_run_flags, bench_parser, progress
 from tests.factories import job
 
 WORKLOAD = REPO / "examples" / "workloads" / "allreduce.py"
@@ -86,11 +86,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-relay-rate-limit", action="store_true", help="relays without the per-gang cap"
     )
-    parser.add_argument("--budget", type=float, default=600.0, help="the whole run, seconds")
-    parser.add_argument("--keep-state", action="store_true", help="keep the state dir and logs")
-    parser.add_argument(
-        "--quick", action="store_true", help="2 and 4 members, 0.3 s samples, 2 MiB (smoke)"
-    )
+    add_run_flags(parser, 600.0, "2 and 4 members, 0.3 s samples, 2 MiB (smoke)")
     args = parser.parse_args(argv)
     if args.quick:
         args.members, args.sample_seconds, args.mib, args.iters = "2,4", 0.3, 2, 1

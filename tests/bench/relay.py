@@ -55,11 +55,8 @@ when it ends, however it ends (and whatever the daemons started, ranks included)
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -70,7 +67,7 @@ from libs.contracts.jobs import PathClass
 from tests.bench.relay_scenarios import POLL, cap_off, cap_on
 from tests.bench.relay_streams import HARNESS_NICE, all_intact, can_renice
 from tests.bench.relay_system import Bench, cleanup
-from tests.bench.running import bench_parser, run_bench, terminate
+from tests.bench.running import add_run_flags, bench_main, bench_parser, machine_facts, run_bench
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -85,9 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--failover-seconds", type=float, default=10.0, help="failover: length of the stream"
     )
-    parser.add_argument("--budget", type=float, default=900.0, help="the whole run, seconds")
-    parser.add_argument("--keep-state", action="store_true", help="keep the state dir and logs")
-    parser.add_argument("--quick", action="store_true", help="2 s streams, 1 round (smoke)")
+    add_run_flags(parser, 900.0, "2 s streams, 1 round (smoke)")
     args = parser.parse_args(argv)
     if args.quick:
         args.seconds, args.warmup, args.rounds = 2.0, 0.5, 1
@@ -123,13 +118,7 @@ async def run_async(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             "kill_at_seconds": args.kill_at,
             "epochs_poll_seconds": POLL,
         },
-        "machine": {
-            "cpus": os.cpu_count(),
-            "kernel": platform.release(),
-            "python": platform.python_version(),
-            "socat": (shutil.which("socat") or "missing"),
-            "loadavg_at_start": os.getloadavg(),
-        },
+        "machine": machine_facts(socat=(shutil.which("socat") or "missing")),
         "bounds": {
             "gang_mbit_s": bounds.relay_gang_bits_per_second / 1e6,
             "member_mbit_s": bounds.relay_member_bits_per_second / 1e6,
@@ -165,13 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, terminate)
-    try:
-        result = run(parse_args(argv))
-    finally:
-        cleanup()
-    print(json.dumps(result, indent=2))
-    return 1 if "error" in result else 0
+    return bench_main(run, parse_args(argv), cleanup)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import platform
 import shutil
 import signal
 import sys
@@ -38,6 +41,26 @@ def bench_parser(bench: str, doc: str | None) -> argparse.ArgumentParser:
         description=doc,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+
+
+def add_run_flags(
+    parser: argparse.ArgumentParser, budget: float, quick: str, keep: str = "the state dir and logs"
+) -> None:
+    """The flags every run has: its time budget, keeping its state, the smoke size."""
+    parser.add_argument("--budget", type=float, default=budget, help="the whole run, seconds")
+    parser.add_argument("--keep-state", action="store_true", help=f"keep {keep}")
+    parser.add_argument("--quick", action="store_true", help=quick)
+
+
+def machine_facts(**extra: Any) -> dict[str, Any]:
+    """What the machine is, for figures to be compared: `loadavg_at_end` is added after."""
+    return {
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        **extra,
+        "loadavg_at_start": os.getloadavg(),
+    }
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -113,3 +136,19 @@ def run_bench(
     else:
         shutil.rmtree(state, ignore_errors=True)
     return result
+
+
+def bench_main(
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    args: argparse.Namespace,
+    cleanup: Callable[[], None],
+) -> int:
+    """A bench's `main`: SIGTERM as Ctrl-C, the run, `cleanup` however it ends, its JSON on
+    stdout; 1 when it did not complete."""
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        result = run(args)
+    finally:
+        cleanup()
+    print(json.dumps(result, indent=2))
+    return 1 if "error" in result else 0

@@ -54,11 +54,8 @@ ends, however it ends; `--keep-state` keeps nats-server's directory.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import platform
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,7 +64,7 @@ from typing import Any
 from libs.bus import Bus
 from libs.bus.server import NatsServer
 from libs.contracts import names
-from tests.bench.running import bench_parser, run_bench, terminate
+from tests.bench.running import add_run_flags, bench_main, bench_parser, machine_facts, run_bench
 from tests.bench.slow_receiver_experiment import PHASES, Experiment, LogTally
 
 
@@ -94,9 +91,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="capped,uncapped",
         help="comma-separated: capped (relays as deployed), uncapped (rate_limit=False)",
     )
-    parser.add_argument("--budget", type=float, default=300.0, help="the whole run, seconds")
-    parser.add_argument("--keep-state", action="store_true", help="keep nats-server's directory")
-    parser.add_argument("--quick", action="store_true", help="1.5 s phases (smoke)")
+    add_run_flags(parser, 300.0, "1.5 s phases (smoke)", keep="nats-server's directory")
     args = parser.parse_args(argv)
     if args.quick:
         args.phase, args.settle, args.budget = 1.5, 0.5, 120.0
@@ -119,12 +114,7 @@ async def run_async(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             "configs": args.configs,
             "phases": list(PHASES),
         },
-        "machine": {
-            "cpus": os.cpu_count(),
-            "kernel": platform.release(),
-            "python": platform.python_version(),
-            "loadavg_at_start": os.getloadavg(),
-        },
+        "machine": machine_facts(),
         "topology": {
             "gang1": "A1 on relay-0 -> B1 on relay-1 (B1 stalls)",
             "gang2": "A2 on relay-0 -> B2 on relay-1 (measured)",
@@ -179,10 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, terminate)
-    result = run(parse_args(argv))
-    print(json.dumps(result, indent=2))
-    return 1 if "error" in result else 0
+    return bench_main(run, parse_args(argv), cleanup)
 
 
 if __name__ == "__main__":
