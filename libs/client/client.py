@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import yaml
@@ -20,6 +20,8 @@ from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.jobs import Job, JobEvent
 from libs.contracts.lifecycle import LogsReply, LogsRequest, ProbeRecord
 from libs.contracts.relay import UsageRecord
+
+T = TypeVar("T")
 
 CLIENT_BUCKETS = [
     names.BUCKET_JOBS,
@@ -207,29 +209,21 @@ class Client:
 
     async def events(self, job: Job, limit: int = 50) -> list[JobEvent]:
         """The job's recent events from the events stream, oldest first."""
-        subject = names.job_event(job.key, ">")
-        sub = await self.bus.js.subscribe(subject, ordered_consumer=True)
-        events: list[JobEvent] = []
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=0.5)
-                except Exception:  # nothing more within the timeout
-                    break
-                try:
-                    events.append(decode(msg.data, JobEvent))
-                except msgspec.ValidationError:
-                    continue
-                if msg.metadata.num_pending == 0:
-                    break
-        finally:
-            await sub.unsubscribe()
+        events = await self._replay(names.job_event(job.key, ">"), JobEvent)
         return events[-limit:]
 
     async def usage(self) -> dict[str, int]:
         """Bytes members sent through relays, per gang (`org.name`), from the usage stream."""
         totals: dict[str, int] = {}
-        sub = await self.bus.js.subscribe("nodus.usage.>", ordered_consumer=True)
+        for record in await self._replay("nodus.usage.>", UsageRecord):
+            totals[record.gang] = totals.get(record.gang, 0) + record.bytes_sent
+        return totals
+
+    async def _replay(self, subject: str, kind: type[T]) -> list[T]:
+        """Every record a stream holds on `subject`, oldest first: read until none is pending
+        (or none arrives within half a second); records that do not decode are skipped."""
+        records: list[T] = []
+        sub = await self.bus.js.subscribe(subject, ordered_consumer=True)
         try:
             while True:
                 try:
@@ -237,15 +231,14 @@ class Client:
                 except Exception:  # nothing more within the timeout
                     break
                 try:
-                    record = decode(msg.data, UsageRecord)
+                    records.append(decode(msg.data, kind))
                 except msgspec.ValidationError:
                     continue
-                totals[record.gang] = totals.get(record.gang, 0) + record.bytes_sent
                 if msg.metadata.num_pending == 0:
                     break
         finally:
             await sub.unsubscribe()
-        return totals
+        return records
 
     async def global_ranktable(self) -> dict[str, Versioned[Ranktable]]:
         return await self.ranktables.snapshot()

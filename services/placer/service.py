@@ -42,7 +42,7 @@ from libs.contracts.jobs import (
     with_condition,
 )
 from libs.mesh import MeshIdentity
-from libs.runtime.tasks import cancel_and_wait
+from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.runtime.version import VERSION
 from services.placer import admission
 from services.placer.cluster import ClusterView, follow_cordons
@@ -99,8 +99,8 @@ class Placer:
         self._tasks: list[asyncio.Task[None]] = []
         self._in_flight: set[str] = set()  # jobs being placed right now
         self._rerun: set[str] = set()  # asked for again while in flight
-        self._placing: set[asyncio.Task[None]] = set()
-        self._background: set[asyncio.Task[None]] = set()
+        self._placing = TaskSet("placing", log)
+        self._background = TaskSet("placer background", log)
         self._slots = asyncio.Semaphore(config.placement_concurrency)
         self._active: dict[str, tuple[int, list[str]]] = {}  # placed gangs: epoch, members
         self._feasible_cache: dict[bytes, NodusError | None] = {}
@@ -248,9 +248,8 @@ class Placer:
                 continue
             if job.status.placed_by == self.replica:
                 if job.status.epoch and change.key not in self._in_flight:
-                    self._enqueue(
-                        change.key
-                    )  # sent back for a new epoch (probe failed, member lost)
+                    # Sent back for a new epoch (probe failed, member lost).
+                    self._enqueue(change.key)
                 continue
             asyncio.get_running_loop().call_later(
                 self.config.takeover_seconds, self._enqueue, change.key
@@ -281,9 +280,7 @@ class Placer:
             if stored is not None and not stored.value.fenced:
                 await self._teardown(job.key, job.status.epoch)
 
-        task = asyncio.create_task(release())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background.spawn(release(), name=f"release {job.key}")
 
     async def _check_members(self) -> None:
         """A member that stops heartbeating or is marked unhealthy ends its gang's epoch: the
@@ -361,9 +358,7 @@ class Placer:
                 continue
             await self._slots.acquire()
             self._in_flight.add(key)
-            task = asyncio.create_task(self._place_one(key))
-            self._placing.add(task)
-            task.add_done_callback(self._placing.discard)
+            self._placing.spawn(self._place_one(key), name=f"place {key}")
 
     async def _place_one(self, key: str) -> None:
         started = time.perf_counter()
@@ -418,54 +413,39 @@ class Placer:
     async def _commit(
         self, current: Versioned[Job], plan: Plan, mesh: MeshIdentity, exclusions: Exclusions
     ) -> None:
+        """Commit a plan in its order: the machines (and on Relayed the addresses), the epoch,
+        the members' join keys, then the job says Placed. A race lost raises _Retry."""
         job = current.value
-        gang = job.key
-        epoch = job.status.epoch + 1
         records = {node: self.view.records[node] for node in plan.nodes}
         problems = check_plan(plan, records, job)
         if problems:  # the planner's own invariants: never commit a plan that breaks them
-            raise NodusError(ErrorCode.INTERNAL, f"plan for {gang} breaks {problems}")
-        t = now()
-        lease = Lease(gang=gang, epoch=epoch, placer=self.replica, created_time=t)
-        held = await self._acquire_leases(plan.nodes, lease, t)
+            raise NodusError(ErrorCode.INTERNAL, f"plan for {job.key} breaks {problems}")
+        epoch, t = job.status.epoch + 1, now()
+        record = self._epoch_record(job, plan, records, epoch, mesh, t)
+        lease = Lease(gang=job.key, epoch=epoch, placer=self.replica, created_time=t)
+        await self._persist_epoch(current, plan, record, lease, exclusions)
+        await self._grant_join_keys(record, mesh)
+        await self._mark_placed(current, plan, record, lease)
+
+    async def _persist_epoch(
+        self, current: Versioned[Job], plan: Plan, record: Epoch, lease: Lease, ex: Exclusions
+    ) -> None:
+        """Take the machines and addresses, then persist the epoch record before anything that
+        names it leaves (C2/G9); whatever fails on the way gives back what was taken."""
+        held = await self._acquire_leases(plan.nodes, lease, record.created_time)
         claimed: list[tuple[str, int]] = []
         try:
             if plan.path is PathClass.RELAYED:
-                await self._claim_addresses(current, plan, epoch, exclusions, claimed)
-            envs = rank_environments(
-                job, plan, records, epoch, self.config.master_port, self.config.shim_path
-            )
-            bounds = derive(plan.path, len(plan.members))
-            expires = MeshIdentity.expiry(t, bounds.join_key_ttl_seconds)
-            record = Epoch(
-                gang=gang,
-                epoch=epoch,
-                path=plan.path,
-                mesh_id=mesh.mesh_id,
-                verify_key=mesh.verify_key,
-                members=[
-                    EpochMember(
-                        rank=m.rank,
-                        node=m.node,
-                        address=m.address,
-                        interface=m.interface,
-                        devices=device_names(records[m.node]),
-                        env=envs[m.rank],
-                    )
-                    for m in plan.members
-                ],
-                bounds=bounds,
-                created_time=t,
-                join_keys_expire_time=expires,
-                placed_by=self.replica,
-            )
-            # C2/G9: the epoch is persisted before anything that names it leaves.
-            if await self.epochs.create(names.epoch_key(gang, epoch), record) is None:
+                await self._claim_addresses(current, plan, record.epoch, ex, claimed)
+            if await self.epochs.create(names.epoch_key(record.gang, record.epoch), record) is None:
                 CONFLICTS.labels("epoch").inc()
                 raise _Retry
         except BaseException:
             await self._release(plan.nodes, held, claimed)
             raise
+
+    async def _grant_join_keys(self, record: Epoch, mesh: MeshIdentity) -> None:
+        gang, epoch, expires = record.gang, record.epoch, record.join_keys_expire_time
         await asyncio.gather(
             *(
                 self.joinkeys.put(
@@ -474,11 +454,17 @@ class Placer:
                         token=mesh.mint(gang, epoch, m.node, expires), verify_key=mesh.verify_key
                     ),
                 )
-                for m in plan.members
+                for m in record.members
             )
         )
-        status = self._placed_status(job.status, plan, epoch, t)
-        placed = msgspec.structs.replace(job, status=status)
+
+    async def _mark_placed(
+        self, current: Versioned[Job], plan: Plan, record: Epoch, lease: Lease
+    ) -> None:
+        """The job says Placed, unless it changed meanwhile: then the epoch is undone."""
+        gang, epoch = record.gang, record.epoch
+        status = self._placed_status(current.value.status, plan, epoch, record.created_time)
+        placed = msgspec.structs.replace(current.value, status=status)
         ranktable = self._ranktable(placed, record)
         # C2: every part of the plan names one generation, checked before the job says Placed.
         check_plan_generations(
@@ -618,6 +604,42 @@ class Placer:
             t,
         )
 
+    def _epoch_record(
+        self,
+        job: Job,
+        plan: Plan,
+        records: dict[str, NodeRecord],
+        epoch: int,
+        mesh: MeshIdentity,
+        t: datetime,
+    ) -> Epoch:
+        envs = rank_environments(
+            job, plan, records, epoch, self.config.master_port, self.config.shim_path
+        )
+        bounds = derive(plan.path, len(plan.members))
+        return Epoch(
+            gang=job.key,
+            epoch=epoch,
+            path=plan.path,
+            mesh_id=mesh.mesh_id,
+            verify_key=mesh.verify_key,
+            members=[
+                EpochMember(
+                    rank=m.rank,
+                    node=m.node,
+                    address=m.address,
+                    interface=m.interface,
+                    devices=device_names(records[m.node]),
+                    env=envs[m.rank],
+                )
+                for m in plan.members
+            ],
+            bounds=bounds,
+            created_time=t,
+            join_keys_expire_time=MeshIdentity.expiry(t, bounds.join_key_ttl_seconds),
+            placed_by=self.replica,
+        )
+
     def _ranktable(self, job: Job, epoch: Epoch) -> Ranktable:
         return Ranktable(
             gang=job.key,
@@ -647,11 +669,8 @@ class Placer:
     ) -> None:
         """Record why the gang is not ready; skipped when it already says so."""
         existing = current.value.condition(ConditionType.GANG_READY)
-        if existing and (existing.status, existing.reason, existing.message) == (
-            state,
-            reason,
-            message,
-        ):
+        said = (existing.status, existing.reason, existing.message) if existing else None
+        if said == (state, reason, message):
             return
         status = with_condition(
             current.value.status,
@@ -676,6 +695,4 @@ class Placer:
             except Exception as error:
                 log.warning("event %s for %s not published: %s", kind, job.key, error)
 
-        task = asyncio.create_task(publish())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background.spawn(publish(), name=f"event {kind} {job.key}")

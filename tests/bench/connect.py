@@ -57,7 +57,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import re
 import resource
 import signal
@@ -73,15 +72,17 @@ import yaml
 from app.local import LocalSystem
 from libs import netshim
 from services.placer.config import DEFAULT_CONFIG, load_config
-from tests.bench import relay
-from tests.bench.relay import (
-    _descendants,
-    _started,
-    cleanup,
-    cpu_seconds,
-    machine_busy,
+from tests.bench.relay_streams import ratio
+from tests.bench.relay_system import ORG, Bench, cleanup
+from tests.bench.running import (
+    add_run_flags,
+    bench_main,
+    bench_parser,
+    machine_facts,
+    progress,
+    run_bench,
 )
-from tests.bench.running import run_bench, terminate
+from tests.bench.sampling import cpu_seconds, kill_left_behind, machine_busy, spawned_below
 
 # How B's agent is stopped, and whether the placer's heartbeat timeout is raised out of the
 # way (so the epoch outlives the measurement and the figure is the dataplane's own) or stock
@@ -118,16 +119,11 @@ ERROR_LINE = re.compile(r'"level": ?"error"|Unhandled exception|Traceback')
 ADDRESS = re.compile(r"0x[0-9a-f]+")  # object addresses: lines that differ only there are one
 
 
-def log(message: str) -> None:
-    print(f"[bench.connect] {message}", file=sys.stderr, flush=True)
+log = progress("connect")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m tests.bench.connect",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("connect", __doc__)
     parser.add_argument("--connects", type=int, default=1000, help="live connects per path")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds of them")
     parser.add_argument("--dead", type=int, default=5, help="blocking connects per dead mode")
@@ -141,9 +137,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=300.0,
         help="the placer's heartbeat timeout in the modes that raise it, seconds",
     )
-    parser.add_argument("--budget", type=float, default=900.0, help="the whole run, seconds")
-    parser.add_argument("--keep-state", action="store_true", help="keep the state dir and logs")
-    parser.add_argument("--quick", action="store_true", help="200 connects, 2 dead ones (smoke)")
+    add_run_flags(parser, 900.0, "200 connects, 2 dead ones (smoke)")
     args = parser.parse_args(argv)
     if args.quick:
         args.connects, args.rounds, args.dead = 200, 4, 2
@@ -287,7 +281,7 @@ class ConnectBench:
     def __init__(self, args: argparse.Namespace, state: Path) -> None:
         self.args = args
         self.state = state
-        self.bench = relay.Bench(args, state)
+        self.bench = Bench(args, state)
         self.env: dict[str, str] = {}
         self.peer = ""
 
@@ -305,8 +299,8 @@ class ConnectBench:
         system, client = bench.system, bench.client
         assert system is not None and client is not None and gang.sinks is not None
         for sink in gang.sinks:
-            await sink.stop()  # relay.py's stream sinks: not used here
-        rank_env = await client.rank_env(gang.name, 0, relay.ORG)
+            await sink.stop()  # the relay bench's stream sinks: not used here
+        rank_env = await client.rank_env(gang.name, 0, ORG)
         peers = rank_env.get(netshim.ENV_PEERS, "").split(",")
         if len(peers) != 1 or peers[0] not in gang.hosts:
             raise RuntimeError(f"rank 0's {netshim.ENV_PEERS} is {peers}, not one of {gang.hosts}")
@@ -371,8 +365,8 @@ class ConnectBench:
             if stuck[path]:
                 figures["rounds_killed_after_120s"] = stuck[path]
             out[path] = figures
-        out["p50_shim_over_direct"] = relay.ratio(out["shim"]["p50_us"], out["direct"]["p50_us"])
-        out["p99_shim_over_direct"] = relay.ratio(out["shim"]["p99_us"], out["direct"]["p99_us"])
+        out["p50_shim_over_direct"] = ratio(out["shim"]["p50_us"], out["direct"]["p50_us"])
+        out["p99_shim_over_direct"] = ratio(out["shim"]["p99_us"], out["direct"]["p99_us"])
         log(
             f"live: direct p50 {out['direct']['p50_us']} us, shim p50 {out['shim']['p50_us']} "
             f"p99 {out['shim']['p99_us']} us ({out['shim']['failures']} failed)"
@@ -390,7 +384,7 @@ class ConnectBench:
         child = next(c for c in system.children if c.name == f"agent-{node}")
         pid = child.process.pid
         # What the agent started (its ranks): killed by pid at the end if it left them behind.
-        spawned = [(p, _started(p)) for p in _descendants([pid]) if p != pid]
+        spawned = spawned_below([pid])
         out: dict[str, Any] = {"agent": child.name}
         stopping = sig is signal.SIGSTOP
         stopped = time.monotonic()
@@ -412,10 +406,7 @@ class ConnectBench:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
             else:
-                for p, started in spawned:
-                    if started is not None and _started(p) == started:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(p, signal.SIGKILL)
+                kill_left_behind(spawned)
         return out
 
     async def dead_wave(self, port: int, delay: float = 0.0) -> dict[str, Any]:
@@ -489,12 +480,7 @@ async def run_async(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             "modes": args.modes,
             "placer_heartbeat_timeout_raised_s": args.placer_timeout,
         },
-        "machine": {
-            "cpus": os.cpu_count(),
-            "kernel": platform.release(),
-            "python": platform.python_version(),
-            "loadavg_at_start": os.getloadavg(),
-        },
+        "machine": machine_facts(),
         "modes": {},
     }
     bench = ConnectBench(args, state)
@@ -554,13 +540,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, terminate)
-    try:
-        result = run(parse_args(argv))
-    finally:
-        cleanup()
-    print(json.dumps(result, indent=2))
-    return 1 if "error" in result else 0
+    return bench_main(run, parse_args(argv), cleanup)
 
 
 if __name__ == "__main__":

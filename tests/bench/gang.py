@@ -62,6 +62,7 @@ from libs.contracts.jobs import Job, PathClass, Phase
 from libs.contracts.lifecycle import PairResult, ProbeRecord
 from libs.contracts.relay import Member
 from services.prober.schedule import rounds
+from tests.bench.running import add_run_flags, bench_parser, progress
 from tests.factories import job
 
 WORKLOAD = REPO / "examples" / "workloads" / "allreduce.py"
@@ -71,16 +72,11 @@ RTTS_PER_PAIR = 30
 LOOPBACK = ("127.0.0.61", "127.0.0.62")
 
 
-def log(message: str) -> None:
-    print(f"[bench.gang] {message}", file=sys.stderr, flush=True)
+log = progress("gang")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m tests.bench.gang",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("gang", __doc__)
     parser.add_argument("--members", default="2,4,8", help="gang sizes whose probe is timed (2..8)")
     parser.add_argument(
         "--sample-seconds", type=float, default=2.0, help="the probe's throughput sample"
@@ -90,11 +86,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-relay-rate-limit", action="store_true", help="relays without the per-gang cap"
     )
-    parser.add_argument("--budget", type=float, default=600.0, help="the whole run, seconds")
-    parser.add_argument("--keep-state", action="store_true", help="keep the state dir and logs")
-    parser.add_argument(
-        "--quick", action="store_true", help="2 and 4 members, 0.3 s samples, 2 MiB (smoke)"
-    )
+    add_run_flags(parser, 600.0, "2 and 4 members, 0.3 s samples, 2 MiB (smoke)")
     args = parser.parse_args(argv)
     if args.quick:
         args.members, args.sample_seconds, args.mib, args.iters = "2,4", 0.3, 2, 1

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import platform
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Coroutine
@@ -19,7 +23,59 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from tests.bench.relay import _loop_factory
+
+def progress(bench: str) -> Callable[[str], None]:
+    """The bench's progress line writer: `[bench.NAME] message` on stderr (stdout carries
+    the JSON)."""
+
+    def log(message: str) -> None:
+        print(f"[bench.{bench}] {message}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def bench_parser(bench: str, doc: str | None) -> argparse.ArgumentParser:
+    """`python -m tests.bench.NAME`'s parser, its module docstring as the help text."""
+    return argparse.ArgumentParser(
+        prog=f"python -m tests.bench.{bench}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def add_run_flags(
+    parser: argparse.ArgumentParser, budget: float, quick: str, keep: str = "the state dir and logs"
+) -> None:
+    """The flags every run has: its time budget, keeping its state, the smoke size."""
+    parser.add_argument("--budget", type=float, default=budget, help="the whole run, seconds")
+    parser.add_argument("--keep-state", action="store_true", help=f"keep {keep}")
+    parser.add_argument("--quick", action="store_true", help=quick)
+
+
+def machine_facts(**extra: Any) -> dict[str, Any]:
+    """What the machine is, for figures to be compared: `loadavg_at_end` is added after."""
+    return {
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        **extra,
+        "loadavg_at_start": os.getloadavg(),
+    }
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when it is there, like the daemons: the harness should cost as little as it can."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+async def sleep_until(when: float) -> None:
+    """Sleep until the monotonic clock reads `when` (at once if it is past)."""
+    await asyncio.sleep(max(0.0, when - time.monotonic()))
 
 
 class Interrupted(Exception):
@@ -42,7 +98,7 @@ def run_main(main: Coroutine[Any, Any, dict[str, Any]], budget: float) -> dict[s
             signal.signal(signal.SIGTERM, terminate)
 
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
             return runner.run(guarded())
     except (asyncio.CancelledError, KeyboardInterrupt):
         raise Interrupted("stopped by SIGTERM or Ctrl-C before the run finished") from None
@@ -80,3 +136,19 @@ def run_bench(
     else:
         shutil.rmtree(state, ignore_errors=True)
     return result
+
+
+def bench_main(
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    args: argparse.Namespace,
+    cleanup: Callable[[], None],
+) -> int:
+    """A bench's `main`: SIGTERM as Ctrl-C, the run, `cleanup` however it ends, its JSON on
+    stdout; 1 when it did not complete."""
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        result = run(args)
+    finally:
+        cleanup()
+    print(json.dumps(result, indent=2))
+    return 1 if "error" in result else 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.bench import slow_receiver
+from tests.bench.slow_receiver_experiment import PHASES
 
 
 @pytest.mark.slow
@@ -17,7 +18,7 @@ def test_quick_bench_measures_every_phase() -> None:
     assert set(result["configs"]) == {"capped", "uncapped"}
     for config in result["configs"].values():
         phases = config["phases"]
-        assert list(phases) == list(slow_receiver.PHASES)
+        assert list(phases) == list(PHASES)
         # Gang 2 streamed before the stall, and gang 1 while both streamed: the set-up works.
         assert phases["alone"]["gang2_mbit_s"] > 0
         assert phases["shared"]["gang1_mbit_s"] > 0
