@@ -80,25 +80,23 @@ def test_malformed_bytes_are_a_frame_error_or_nothing(data: bytes) -> None:
 
 
 # The shortest body each frame type has (its fixed fields, empty strings, nothing more).
-SHORTEST_BODY = {
-    type(frame): len(encode(frame)) - 5
-    for frame in [
-        Challenge(KEY, bytes(32)),
-        Hello("", 0, "", KEY, bytes(32)),
-        Welcome("", "", 0),
-        Send(KEY, b""),
-        Recv(KEY, b""),
-        Ping(bytes(8)),
-        Pong(bytes(8)),
-        ErrorFrame("", ""),
-        Home(False),
-        MeshHello("", bytes(32)),
-        Present(KEY, "", 0),
-        PresenceDump(()),
-        Absent(KEY),
-        Forward(KEY, KEY, b""),
-    ]
-}
+SHORTEST_FRAMES: list[Frame] = [
+    Challenge(KEY, bytes(32)),
+    Hello("", 0, "", KEY, bytes(32)),
+    Welcome("", "", 0),
+    Send(KEY, b""),
+    Recv(KEY, b""),
+    Ping(bytes(8)),
+    Pong(bytes(8)),
+    ErrorFrame("", ""),
+    Home(False),
+    MeshHello("", bytes(32)),
+    Present(KEY, "", 0),
+    PresenceDump(()),
+    Absent(KEY),
+    Forward(KEY, KEY, b""),
+]
+SHORTEST_BODY = {type(frame): len(encode(frame)) - 5 for frame in SHORTEST_FRAMES}
 TYPE_OF = {encode(frame)[4]: type(frame) for frame in FRAMES}
 # Frames whose last field is not "the rest of the body": a byte after it is garbage.
 BOUNDED = [f for f in FRAMES if not isinstance(f, Send | Recv | Forward)]
