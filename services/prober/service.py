@@ -1,8 +1,7 @@
-"""The central prober and the gang's run (G10-G12, G17): when an epoch is placed it probes every
-pair in rounds through the members' agents, publishes the slowest pair and NetworkQualified,
-launches the ranks, watches them to the end, and bills boot time, run time and relay bytes.
-A failed probe sends the gang back to placement without the failing machine (not billed);
-ShimNotLoaded fails the Job at once (billed)."""
+"""The central prober (G10-G12): when an epoch is placed it probes every pair in rounds through
+the members' agents, publishes the slowest pair and NetworkQualified, and hands the qualified
+epoch to the gang's run (`run.py`: launch, conclude, bill). A failed probe sends the gang back
+to placement (not billed); ShimNotLoaded fails the Job at once (billed)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Callable
-from datetime import datetime
 from typing import TypeVar
 
 import msgspec
@@ -32,27 +30,23 @@ from libs.contracts.jobs import (
     with_condition,
 )
 from libs.contracts.lifecycle import (
-    LaunchReply,
-    LaunchRequest,
     PairResult,
     ProbePairRequest,
     ProbeRecord,
     ProbeServeReply,
     ProbeServeRequest,
-    RankStatus,
     ShimCheckReply,
     ShimCheckRequest,
-    StopRequest,
 )
-from libs.contracts.relay import Member, UsageRecord
+from libs.contracts.relay import Member
 from libs.runtime.tasks import cancel_and_wait
+from services.prober.run import GangRun, update_job
 from services.prober.schedule import rounds
 
 log = logging.getLogger("nodus.prober")
 R = TypeVar("R", bound=msgspec.Struct)
 
 MAX_EPOCHS = 5  # epochs a gang may fail its probe in before the Job fails
-USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (1 s) plus delivery
 
 PROBES = Counter("nodus_prober_probes_total", "Epoch probes by outcome", ["outcome"])
 PROBE_SECONDS = Histogram(
@@ -60,7 +54,6 @@ PROBE_SECONDS = Histogram(
     "Wall time of one epoch's probe",
     buckets=(1, 2, 5, 10, 20, 40, 80, 160, 320),
 )
-RUNS = Counter("nodus_prober_runs_total", "Gang runs by outcome", ["outcome"])
 
 
 class Prober:
@@ -79,20 +72,18 @@ class Prober:
         self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
         self.members = bus.bucket(names.BUCKET_MEMBERS, Member)
         self.probes = bus.bucket(names.BUCKET_PROBES, ProbeRecord)
-        self.ranks = bus.bucket(names.BUCKET_RANKS, RankStatus)
+        self.run = GangRun(bus)
         self._active: dict[tuple[str, int], asyncio.Task[None]] = {}
-        self._concluding: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        self._tasks = [
-            asyncio.create_task(self._watch_jobs()),
-            asyncio.create_task(self._watch_ranks()),
-        ]
+        await self.run.start()
+        self._tasks = [asyncio.create_task(self._watch_jobs())]
         log.info("prober %s ready", self.replica)
 
     async def stop(self) -> None:
-        await cancel_and_wait([*self._tasks, *self._active.values(), *self._concluding])
+        await cancel_and_wait([*self._tasks, *self._active.values()])
+        await self.run.stop()
 
     # -- watching ------------------------------------------------------------------------------
 
@@ -107,22 +98,6 @@ class Prober:
             task = asyncio.create_task(self._qualify(*key))
             self._active[key] = task
             task.add_done_callback(lambda _, k=key: self._active.pop(k, None))  # type: ignore[misc]
-
-    async def _watch_ranks(self) -> None:
-        async for change in self.ranks.watch():
-            status = change.value
-            if status is not None and status.state != "Running":
-                # One task per exit: a check that runs while another rank exits must not be
-                # the last one (the job's compare-and-set lets one of them conclude).
-                task = asyncio.create_task(self._conclude_logged(status.gang, status.epoch))
-                self._concluding.add(task)
-                task.add_done_callback(self._concluding.discard)
-
-    async def _conclude_logged(self, gang: str, epoch: int) -> None:
-        try:
-            await self._conclude(gang, epoch)
-        except Exception:
-            log.exception("concluding %s epoch %d", gang, epoch)
 
     # -- the probe -----------------------------------------------------------------------------
 
@@ -144,8 +119,8 @@ class Prober:
         )
         if await self.probes.create(names.epoch_key(gang, epoch_number), record) is None:
             return  # another replica runs it
-        if not await self._update_job(
-            gang, epoch_number, lambda s: _phase(s, Phase.PROBING), {Phase.PLACED}
+        if not await update_job(
+            self.jobs, gang, epoch_number, lambda s: _phase(s, Phase.PROBING), {Phase.PLACED}
         ):
             return
         await self._wait_joined(gang, epoch_number, nodes)
@@ -311,47 +286,10 @@ class Prober:
                 t,
             )
 
-        if not await self._update_job(gang, epoch, qualified, {Phase.PROBING}):
+        if not await update_job(self.jobs, gang, epoch, qualified, {Phase.PROBING}):
             return
         PROBES.labels("qualified").inc()
-        job = await self.jobs.get(gang)
-        if job is None:
-            return
-        stored = await self.epochs.get(names.epoch_key(gang, epoch))
-        assert stored is not None
-        launches = await asyncio.gather(
-            *(
-                self._request(
-                    m.node,
-                    "launch",
-                    LaunchRequest(gang=gang, epoch=epoch, rank=m.rank),
-                    LaunchReply,
-                    30,
-                )
-                for m in stored.value.members
-            ),
-            return_exceptions=True,
-        )
-        failed = [
-            (m.node, r)
-            for m, r in zip(stored.value.members, launches, strict=True)
-            if isinstance(r, BaseException)
-        ]
-        started = now()
-
-        def running(status: JobStatus) -> JobStatus:
-            boot = (started - (status.placed_time or started)).total_seconds()
-            return msgspec.structs.replace(
-                status,
-                phase=Phase.RUNNING,
-                run_started_time=started,
-                billing=Billing(boot_seconds=round(boot, 3)),
-            )
-
-        await self._update_job(gang, epoch, running, {Phase.PROBING})
-        if failed:
-            node, error = failed[0]
-            await self._finish(gang, epoch, False, "LaunchFailed", f"{node}: {error}")
+        await self.run.launch(gang, epoch)
 
     async def _probe_failed(
         self, gang: str, epoch: int, pair: PairResult, results: list[PairResult], unreachable: bool
@@ -421,7 +359,7 @@ class Prober:
                 status, phase=Phase.PENDING, avoid=[*status.avoid, pair.suspect or pair.b]
             )
 
-        await self._update_job(gang, epoch, again, {Phase.PROBING})
+        await update_job(self.jobs, gang, epoch, again, {Phase.PROBING})
         log.warning(
             "%s epoch %d failed its probe (%s); placing it again without %s",
             gang,
@@ -454,130 +392,11 @@ class Prober:
                 billing=Billing(boot_seconds=round(boot, 3)),
             )
 
-        await self._update_job(gang, epoch, failed, {Phase.PROBING})
-
-    # -- the run -------------------------------------------------------------------------------
-
-    async def _conclude(self, gang: str, epoch: int) -> None:
-        job = await self.jobs.get(gang)
-        if (
-            job is None
-            or job.value.status.epoch != epoch
-            or job.value.status.phase is not Phase.RUNNING
-        ):
-            return
-        stored = await self.epochs.get(names.epoch_key(gang, epoch))
-        if stored is None:
-            return
-        found = await asyncio.gather(
-            *(self.ranks.get(names.rank_key(gang, epoch, m.rank)) for m in stored.value.members)
-        )
-        statuses = {f.key: f for f in found if f is not None}
-        members = {m.rank: m.node for m in stored.value.members}
-        # A rank the platform stopped (fencing, a machine going away) is not the workload
-        # failing: the gang is re-placed by the member-loss path instead.
-        failed = [
-            s.value for s in statuses.values() if s.value.state == "Exited" and s.value.exit_code
-        ]
-        if failed:
-            first = min(failed, key=lambda s: s.ended_time or now())
-            await self._finish(
-                gang,
-                epoch,
-                False,
-                "RankFailed",
-                f"rank {first.rank} on {first.node} exited with code {first.exit_code}",
-            )
-            return
-        done = [
-            s for s in statuses.values() if s.value.state == "Exited" and s.value.exit_code == 0
-        ]
-        if len(done) == len(members):
-            await self._finish(gang, epoch, True, "Completed", f"all {len(members)} ranks exited 0")
-
-    async def _finish(
-        self, gang: str, epoch: int, succeeded: bool, reason: str, message: str
-    ) -> None:
-        t = now()
-        # Relays publish what members sent once a second: wait for the last flush of the run.
-        await asyncio.sleep(USAGE_SETTLE_SECONDS)
-        relay_bytes = await self._relay_bytes(gang)
-
-        def finished(status: JobStatus) -> JobStatus:
-            run = (t - (status.run_started_time or t)).total_seconds()
-            boot = status.billing.boot_seconds if status.billing else 0.0
-            status = msgspec.structs.replace(
-                status,
-                phase=Phase.SUCCEEDED if succeeded else Phase.FAILED,
-                finished_time=t,
-                billing=Billing(
-                    boot_seconds=boot,
-                    run_seconds=round(run, 3),
-                    mesh_relay_gi_b=relay_bytes / 2**30,
-                ),
-            )
-            return with_condition(status, ConditionType.GANG_READY, "False", reason, message, t)
-
-        if await self._update_job(gang, epoch, finished, {Phase.RUNNING}):
-            RUNS.labels("succeeded" if succeeded else "failed").inc()
-            log.info(
-                "%s epoch %d %s: %s", gang, epoch, "succeeded" if succeeded else "failed", message
-            )
-            if not succeeded:
-                stored = await self.epochs.get(names.epoch_key(gang, epoch))
-                for member in stored.value.members if stored else []:
-                    try:
-                        await self._request(
-                            member.node,
-                            "stop",
-                            StopRequest(gang=gang, epoch=epoch),
-                            LaunchReply,
-                            15,
-                        )
-                    except NodusError as error:
-                        log.warning("stopping %s on %s: %s", gang, member.node, error)
-
-    async def _relay_bytes(self, gang: str) -> int:
-        total = 0
-        sub = await self.bus.js.subscribe(f"nodus.usage.*.{gang}", ordered_consumer=True)
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=0.3)
-                except Exception:  # nothing more
-                    break
-                try:
-                    total += msgspec.json.decode(msg.data, type=UsageRecord).bytes_sent
-                except msgspec.ValidationError:
-                    continue
-                if msg.metadata.num_pending == 0:
-                    break
-        finally:
-            await sub.unsubscribe()
-        return total
-
-    async def _update_job(
-        self, gang: str, epoch: int, change: Callable[[JobStatus], JobStatus], phases: set[Phase]
-    ) -> bool:
-        """Compare-and-set on the job: only while it is still this epoch, in one of `phases`."""
-        applied = [False]
-
-        def update(job: Job | None) -> Job | None:
-            if job is None or job.status.epoch != epoch or job.status.phase not in phases:
-                return None
-            applied[0] = True
-            return msgspec.structs.replace(job, status=change(job.status))
-
-        result = await self.jobs.mutate(gang, update)
-        return result is not None and applied[0]
+        await update_job(self.jobs, gang, epoch, failed, {Phase.PROBING})
 
 
 def _phase(status: JobStatus, phase: Phase) -> JobStatus:
     return msgspec.structs.replace(status, phase=phase)
-
-
-def _age(since: datetime | None, t: datetime) -> float:
-    return (t - since).total_seconds() if since else 0.0
 
 
 def _with_pairs(done: list[PairResult]) -> Callable[[ProbeRecord | None], ProbeRecord | None]:
