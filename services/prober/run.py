@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from datetime import datetime
 
 import msgspec
 from prometheus_client import Counter
@@ -21,7 +22,7 @@ from libs.contracts.errors import NodusError
 from libs.contracts.jobs import Billing, ConditionType, Job, JobStatus, Phase, with_condition
 from libs.contracts.lifecycle import LaunchReply, LaunchRequest, RankStatus, StopRequest
 from libs.contracts.relay import UsageRecord
-from libs.runtime.tasks import cancel_and_wait
+from libs.runtime.tasks import TaskSet
 
 log = logging.getLogger("nodus.prober")
 
@@ -38,14 +39,13 @@ class GangRun:
         self.jobs = bus.bucket(names.BUCKET_JOBS, Job)
         self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
         self.ranks = bus.bucket(names.BUCKET_RANKS, RankStatus)
-        self._concluding: set[asyncio.Task[None]] = set()
-        self._tasks: list[asyncio.Task[None]] = []
+        self.tasks = TaskSet("gang run", log)
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._watch_ranks())]
+        self.tasks.spawn(self._watch_ranks(), name="watch-ranks")
 
     async def stop(self) -> None:
-        await cancel_and_wait([*self._tasks, *self._concluding])
+        await self.tasks.close()
 
     async def launch(self, gang: str, epoch: int) -> None:
         """The qualified epoch's ranks, all at once (G3); Running with the boot time billed."""
@@ -71,12 +71,11 @@ class GangRun:
         started = now()
 
         def running(status: JobStatus) -> JobStatus:
-            boot = (started - (status.placed_time or started)).total_seconds()
             return msgspec.structs.replace(
                 status,
                 phase=Phase.RUNNING,
                 run_started_time=started,
-                billing=Billing(boot_seconds=round(boot, 3)),
+                billing=boot_billed(status, started),
             )
 
         await update_job(self.jobs, gang, epoch, running, {Phase.PROBING})
@@ -90,15 +89,10 @@ class GangRun:
             if status is not None and status.state != "Running":
                 # One task per exit: a check that runs while another rank exits must not be
                 # the last one (the job's compare-and-set lets one of them conclude).
-                task = asyncio.create_task(self._conclude_logged(status.gang, status.epoch))
-                self._concluding.add(task)
-                task.add_done_callback(self._concluding.discard)
-
-    async def _conclude_logged(self, gang: str, epoch: int) -> None:
-        try:
-            await self._conclude(gang, epoch)
-        except Exception:
-            log.exception("concluding %s epoch %d", gang, epoch)
+                self.tasks.spawn(
+                    self._conclude(status.gang, status.epoch),
+                    name=f"conclude {status.gang}.{status.epoch}",
+                )
 
     async def _conclude(self, gang: str, epoch: int) -> None:
         job = await self.jobs.get(gang)
@@ -196,6 +190,11 @@ class GangRun:
         finally:
             await sub.unsubscribe()
         return total
+
+
+def boot_billed(status: JobStatus, t: datetime) -> Billing:
+    """Placement through the probe is billed as boot time (G10), up to `t`."""
+    return Billing(boot_seconds=round((t - (status.placed_time or t)).total_seconds(), 3))
 
 
 async def update_job(

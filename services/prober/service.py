@@ -9,7 +9,8 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Callable
-from typing import TypeVar
+from datetime import datetime
+from typing import Literal, TypeVar
 
 import msgspec
 from prometheus_client import Counter, Histogram
@@ -20,7 +21,6 @@ from libs.contracts.base import now
 from libs.contracts.epochs import Epoch
 from libs.contracts.errors import NodusError
 from libs.contracts.jobs import (
-    Billing,
     ConditionType,
     Job,
     JobStatus,
@@ -39,8 +39,8 @@ from libs.contracts.lifecycle import (
     ShimCheckRequest,
 )
 from libs.contracts.relay import Member
-from libs.runtime.tasks import cancel_and_wait
-from services.prober.run import GangRun, update_job
+from libs.runtime.tasks import TaskSet
+from services.prober.run import GangRun, boot_billed, update_job
 from services.prober.schedule import rounds
 
 log = logging.getLogger("nodus.prober")
@@ -73,16 +73,16 @@ class Prober:
         self.members = bus.bucket(names.BUCKET_MEMBERS, Member)
         self.probes = bus.bucket(names.BUCKET_PROBES, ProbeRecord)
         self.run = GangRun(bus)
-        self._active: dict[tuple[str, int], asyncio.Task[None]] = {}
-        self._tasks: list[asyncio.Task[None]] = []
+        self.tasks = TaskSet("prober", log)
+        self._active: dict[tuple[str, int], asyncio.Task[None]] = {}  # epochs probed here
 
     async def start(self) -> None:
         await self.run.start()
-        self._tasks = [asyncio.create_task(self._watch_jobs())]
+        self.tasks.spawn(self._watch_jobs(), name="watch-jobs")
         log.info("prober %s ready", self.replica)
 
     async def stop(self) -> None:
-        await cancel_and_wait([*self._tasks, *self._active.values()])
+        await self.tasks.close()
         await self.run.stop()
 
     # -- watching ------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ class Prober:
             key = (job.key, job.status.epoch)
             if key in self._active:
                 continue
-            task = asyncio.create_task(self._qualify(*key))
+            task = self.tasks.spawn(self._qualify(*key), name=f"probe {key[0]}.{key[1]}")
             self._active[key] = task
             task.add_done_callback(lambda _, k=key: self._active.pop(k, None))  # type: ignore[misc]
 
@@ -145,9 +145,7 @@ class Prober:
         transport = job.value.spec.distributed.transport if job else "Auto"
         worse = [r for r in results if r.ok and r.path.split(":")[0] not in wanted[transport]]
         if failed or worse:
-            await self._probe_failed(
-                gang, epoch_number, (failed or worse)[0], results, bool(failed)
-            )
+            await self._probe_failed(gang, epoch_number, (failed or worse)[0])
             return
         await self._qualified(gang, epoch_number, nodes, results)
 
@@ -205,38 +203,22 @@ class Prober:
                     measured_time=now(),
                 )
         timeout = self.readiness_seconds + self.sample_seconds + 45
+
+        async def probe(node: str, peer: str, measure: bool) -> PairResult:
+            request = ProbePairRequest(
+                gang=gang,
+                epoch=epoch,
+                peer=peer,
+                address=ends[peer].address,
+                port=ends[peer].port,
+                sample_seconds=self.sample_seconds,
+                readiness_seconds=self.readiness_seconds,
+                measure=measure,
+            )
+            return await self._request(node, "probe-pair", request, PairResult, timeout)
+
         forward, reverse = await asyncio.gather(
-            self._request(
-                a,
-                "probe-pair",
-                ProbePairRequest(
-                    gang=gang,
-                    epoch=epoch,
-                    peer=b,
-                    address=ends[b].address,
-                    port=ends[b].port,
-                    sample_seconds=self.sample_seconds,
-                    readiness_seconds=self.readiness_seconds,
-                ),
-                PairResult,
-                timeout,
-            ),
-            self._request(
-                b,
-                "probe-pair",
-                ProbePairRequest(
-                    gang=gang,
-                    epoch=epoch,
-                    peer=a,
-                    address=ends[a].address,
-                    port=ends[a].port,
-                    readiness_seconds=self.readiness_seconds,
-                    measure=False,
-                ),
-                PairResult,
-                timeout,
-            ),
-            return_exceptions=True,
+            probe(a, b, True), probe(b, a, False), return_exceptions=True
         )
         if isinstance(forward, BaseException) or not forward.ok:
             why = forward if isinstance(forward, BaseException) else forward.error
@@ -262,10 +244,7 @@ class Prober:
     ) -> None:
         slowest = min(results, key=lambda r: r.tcp_gbps)
         t = now()
-        await self.probes.mutate(
-            names.epoch_key(gang, epoch),
-            lambda r: msgspec.structs.replace(r, state="Qualified", finished_time=t) if r else None,
-        )
+        await self._conclude_record(gang, epoch, "Qualified", t)
         probe = Probe(
             tcp_gbps=slowest.tcp_gbps,
             rtt_ms=max(r.rtt_ms for r in results),
@@ -291,23 +270,32 @@ class Prober:
         PROBES.labels("qualified").inc()
         await self.run.launch(gang, epoch)
 
-    async def _probe_failed(
-        self, gang: str, epoch: int, pair: PairResult, results: list[PairResult], unreachable: bool
+    async def _conclude_record(
+        self,
+        gang: str,
+        epoch: int,
+        state: Literal["Qualified", "Failed"],
+        t: datetime,
+        reason: str | None = None,
     ) -> None:
-        """G12: the epoch fails and the gang is placed again without the failing machine;
-        the failed epoch's time is not billed."""
+        """The probe record's outcome: Qualified, or Failed with its reason."""
+
+        def concluded(record: ProbeRecord | None) -> ProbeRecord | None:
+            if record is None:
+                return None
+            return msgspec.structs.replace(record, state=state, finished_time=t, reason=reason)
+
+        await self.probes.mutate(names.epoch_key(gang, epoch), concluded)
+
+    async def _probe_failed(self, gang: str, epoch: int, pair: PairResult) -> None:
+        """G12: the epoch fails, not billed; the gang is placed again without the failing
+        machine, continues as Relayed (an Auto gang whose direct path failed), or fails once
+        it has used up its epochs."""
         t = now()
         reason = f"pair {pair.a}-{pair.b}: " + (
             pair.error or f"path {pair.path} is worse than the transport allows"
         )
-        await self.probes.mutate(
-            names.epoch_key(gang, epoch),
-            lambda r: (
-                msgspec.structs.replace(r, state="Failed", finished_time=t, reason=reason)
-                if r
-                else None
-            ),
-        )
+        await self._conclude_record(gang, epoch, "Failed", t, reason)
         PROBES.labels("failed").inc()
 
         stored = await self.epochs.get(names.epoch_key(gang, epoch))
@@ -325,6 +313,14 @@ class Prober:
                 record = await self.probes.get(names.epoch_key(gang, number))
                 if record is not None and record.value.state == "Failed":
                     history.append(f"epoch {number}: {record.value.reason}")
+
+        suspect = pair.suspect or pair.b
+        if history:
+            next_step = f"the job fails: no qualified placement after {epoch} epochs"
+        elif direct_failed:
+            next_step = "it continues as Relayed on the same machines"
+        else:
+            next_step = f"placing it again without {suspect}"
 
         def again(status: JobStatus) -> JobStatus:
             if history:
@@ -356,32 +352,18 @@ class Prober:
                 status, ConditionType.NETWORK_QUALIFIED, "False", "ProbeFailed", reason, t
             )
             return msgspec.structs.replace(
-                status, phase=Phase.PENDING, avoid=[*status.avoid, pair.suspect or pair.b]
+                status, phase=Phase.PENDING, avoid=[*status.avoid, suspect]
             )
 
-        await update_job(self.jobs, gang, epoch, again, {Phase.PROBING})
-        log.warning(
-            "%s epoch %d failed its probe (%s); placing it again without %s",
-            gang,
-            epoch,
-            reason,
-            pair.suspect or pair.b,
-        )
+        if await update_job(self.jobs, gang, epoch, again, {Phase.PROBING}):
+            log.warning("%s epoch %d failed its probe (%s); %s", gang, epoch, reason, next_step)
 
     async def _shim_not_loaded(self, gang: str, epoch: int, why: str) -> None:
         t = now()
-        await self.probes.mutate(
-            names.epoch_key(gang, epoch),
-            lambda r: (
-                msgspec.structs.replace(r, state="Failed", finished_time=t, reason=why)
-                if r
-                else None
-            ),
-        )
+        await self._conclude_record(gang, epoch, "Failed", t, why)
         PROBES.labels("shim_not_loaded").inc()
 
         def failed(status: JobStatus) -> JobStatus:
-            boot = (t - (status.placed_time or t)).total_seconds()
             status = with_condition(
                 status, ConditionType.NETWORK_QUALIFIED, "False", "ShimNotLoaded", why, t
             )
@@ -389,7 +371,7 @@ class Prober:
                 status,
                 phase=Phase.FAILED,
                 finished_time=t,
-                billing=Billing(boot_seconds=round(boot, 3)),
+                billing=boot_billed(status, t),
             )
 
         await update_job(self.jobs, gang, epoch, failed, {Phase.PROBING})
