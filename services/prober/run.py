@@ -78,12 +78,19 @@ class GangRun:
                 billing=boot_billed(status, started),
             )
 
-        await update_job(self.jobs, gang, epoch, running, {Phase.PROBING})
+        if not await update_job(self.jobs, gang, epoch, running, {Phase.PROBING}):
+            return
         if failed:
             node, error = failed[0]
-            await self._finish(gang, epoch, False, "LaunchFailed", f"{node}: {error}")
+            await self._finish(gang, epoch, False, "LaunchFailed", f"{node}: {error}", started)
+            return
+        # A rank that exited before the job was Running was seen while there was nothing to
+        # conclude: look once more now that there is.
+        await self._conclude(gang, epoch)
 
     async def _watch_ranks(self) -> None:
+        """The watch begins with every rank's current record: an exit that happened while no
+        prober was up concludes its job when one starts."""
         async for change in self.ranks.watch():
             status = change.value
             if status is not None and status.state != "Running":
@@ -123,36 +130,45 @@ class GangRun:
                 False,
                 "RankFailed",
                 f"rank {first.rank} on {first.node} exited with code {first.exit_code}",
+                first.ended_time or now(),
             )
             return
         done = [
-            s for s in statuses.values() if s.value.state == "Exited" and s.value.exit_code == 0
+            s.value
+            for s in statuses.values()
+            if s.value.state == "Exited" and s.value.exit_code == 0
         ]
         if len(done) == len(members):
-            await self._finish(gang, epoch, True, "Completed", f"all {len(members)} ranks exited 0")
+            last = max((s.ended_time or now() for s in done), default=now())
+            await self._finish(
+                gang, epoch, True, "Completed", f"all {len(members)} ranks exited 0", last
+            )
 
     async def _finish(
-        self, gang: str, epoch: int, succeeded: bool, reason: str, message: str
+        self, gang: str, epoch: int, succeeded: bool, reason: str, message: str, t: datetime
     ) -> None:
-        t = now()
+        """The end at `t` (when the ranks ended, even if no prober was up then), billed once:
+        the compare-and-set from Running lets one writer conclude."""
         # Relays publish what members sent once a second: wait for the last flush of the run.
         await asyncio.sleep(USAGE_SETTLE_SECONDS)
         relay_bytes = await self._relay_bytes(gang)
 
         def finished(status: JobStatus) -> JobStatus:
-            run = (t - (status.run_started_time or t)).total_seconds()
+            # A rank can end before the launch replies are all in and the run's start is set.
+            end = max(t, status.run_started_time or t)
+            run = (end - (status.run_started_time or end)).total_seconds()
             boot = status.billing.boot_seconds if status.billing else 0.0
             status = msgspec.structs.replace(
                 status,
                 phase=Phase.SUCCEEDED if succeeded else Phase.FAILED,
-                finished_time=t,
+                finished_time=end,
                 billing=Billing(
                     boot_seconds=boot,
                     run_seconds=round(run, 3),
                     mesh_relay_gi_b=relay_bytes / 2**30,
                 ),
             )
-            return with_condition(status, ConditionType.GANG_READY, "False", reason, message, t)
+            return with_condition(status, ConditionType.GANG_READY, "False", reason, message, end)
 
         if await update_job(self.jobs, gang, epoch, finished, {Phase.RUNNING}):
             RUNS.labels("succeeded" if succeeded else "failed").inc()

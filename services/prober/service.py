@@ -13,11 +13,13 @@ from datetime import datetime
 from typing import Literal, TypeVar
 
 import msgspec
+import nats.errors
 from prometheus_client import Counter, Histogram
 
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
+from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS, HEARTBEATS_PER_TIMEOUT
 from libs.contracts.epochs import Epoch
 from libs.contracts.errors import NodusError
 from libs.contracts.jobs import (
@@ -54,6 +56,11 @@ PROBE_SECONDS = Histogram(
     "Wall time of one epoch's probe",
     buckets=(1, 2, 5, 10, 20, 40, 80, 160, 320),
 )
+TAKEOVERS = Counter(
+    "nodus_prober_takeovers_total",
+    "Epoch probes taken over from a prober replica that went silent or restarted",
+)
+OPEN = {Phase.PLACED, Phase.PROBING}  # a job whose epoch's probe someone must hold
 
 
 class Prober:
@@ -63,6 +70,7 @@ class Prober:
         replica: str | None = None,
         sample_seconds: float = 10.0,
         readiness_seconds: float = 60.0,
+        takeover_seconds: float = HEARTBEAT_TIMEOUT_SECONDS,
     ) -> None:
         self.bus = bus
         self.replica = replica or f"prober-{secrets.token_hex(3)}"
@@ -73,12 +81,18 @@ class Prober:
         self.members = bus.bucket(names.BUCKET_MEMBERS, Member)
         self.probes = bus.bucket(names.BUCKET_PROBES, ProbeRecord)
         self.run = GangRun(bus)
+        self.instance = secrets.token_hex(4)  # this process, in the probe records it holds
+        self.takeover_seconds = takeover_seconds
+        self.beat_seconds = takeover_seconds / HEARTBEATS_PER_TIMEOUT
         self.tasks = TaskSet("prober", log)
         self._active: dict[tuple[str, int], asyncio.Task[None]] = {}  # epochs probed here
+        self._open: dict[str, int] = {}  # Placed or Probing jobs -> their epoch
 
     async def start(self) -> None:
         await self.run.start()
-        self.tasks.spawn(self._watch_jobs(), name="watch-jobs")
+        caught_up = asyncio.Event()
+        self.tasks.spawn(self._watch_jobs(caught_up), name="watch-jobs")
+        self.tasks.spawn(self._sweep(caught_up), name="takeover-sweep")
         log.info("prober %s ready", self.replica)
 
     async def stop(self) -> None:
@@ -87,40 +101,133 @@ class Prober:
 
     # -- watching ------------------------------------------------------------------------------
 
-    async def _watch_jobs(self) -> None:
-        async for change in self.jobs.watch():
+    async def _watch_jobs(self, caught_up: asyncio.Event) -> None:
+        async for change in self.jobs.watch(caught_up=caught_up):
             job = change.value
-            if job is None or job.status.phase is not Phase.PLACED:
+            if job is None or job.status.phase not in OPEN:
+                self._open.pop(change.key, None)
                 continue
-            key = (job.key, job.status.epoch)
-            if key in self._active:
+            self._open[job.key] = job.status.epoch
+            if job.status.phase is Phase.PLACED:
+                self._probe(job.key, job.status.epoch)
+
+    async def _sweep(self, caught_up: asyncio.Event) -> None:
+        """Takeover: once the jobs are known, and on every beat after, each Placed or Probing
+        epoch that no task here probes is offered to `_claim`, which takes it over when its
+        holder is silent or restarted. The first pass is a replica's start."""
+        await caught_up.wait()
+        while True:
+            for gang, epoch in list(self._open.items()):
+                self._probe(gang, epoch)
+            await asyncio.sleep(self.beat_seconds)
+
+    def _probe(self, gang: str, epoch: int) -> None:
+        key = (gang, epoch)
+        if key in self._active:
+            return
+        task = self.tasks.spawn(self._qualify(gang, epoch), name=f"probe {gang}.{epoch}")
+        self._active[key] = task
+        task.add_done_callback(lambda _: self._active.pop(key, None))
+
+    # -- holding an epoch's probe --------------------------------------------------------------
+
+    async def _claim(self, gang: str, epoch: int, rounds: int) -> bool:
+        """Create the epoch's probe record, or take it over from a holder that is silent or
+        restarted; compare-and-set on the record's revision, so one replica wins."""
+        job = await self.jobs.get(gang)
+        if job is None or job.value.status.epoch != epoch or job.value.status.phase not in OPEN:
+            return False
+        key = names.epoch_key(gang, epoch)
+        t = now()
+        mine = ProbeRecord(
+            gang=gang,
+            epoch=epoch,
+            state="Running",
+            prober=self.replica,
+            instance=self.instance,
+            started_time=t,
+            heartbeat_time=t,
+            rounds=rounds,
+        )
+        current = await self.probes.get(key)
+        if current is None:
+            return await self.probes.create(key, mine) is not None
+        held = current.value
+        if held.prober == self.replica and held.instance != self.instance:
+            why = "its previous run"
+        else:
+            silent = (t - (held.heartbeat_time or held.started_time)).total_seconds()
+            if silent <= self.takeover_seconds:
+                return False  # its holder is alive (or this task's own, ended, waits its turn)
+            why = f"silent for {silent:.1f} s"
+        taken = msgspec.structs.replace(mine, attempt=held.attempt + 1)
+        if await self.probes.update(key, taken, current.revision) is None:
+            return False  # another replica took it first, or the holder beat just now
+        TAKEOVERS.inc()
+        log.warning(
+            "%s epoch %d: took the probe over from %s (%s); probing again from the start "
+            "(attempt %d)",
+            gang,
+            epoch,
+            held.prober,
+            why,
+            taken.attempt,
+        )
+        return True
+
+    def _held(
+        self, change: Callable[[ProbeRecord], ProbeRecord]
+    ) -> Callable[[ProbeRecord | None], ProbeRecord | None]:
+        """A change to the probe record only while this process holds it."""
+
+        def guarded(record: ProbeRecord | None) -> ProbeRecord | None:
+            if record is None or (record.prober, record.instance) != (self.replica, self.instance):
+                return None
+            return change(record)
+
+        return guarded
+
+    async def _hold(self, gang: str, epoch: int, holder: asyncio.Task[None]) -> None:
+        """Renew the heartbeat while `holder` probes and launches; a record taken over by
+        another replica stops it."""
+        key = names.epoch_key(gang, epoch)
+        while True:
+            await asyncio.sleep(self.beat_seconds)
+            try:
+                beat = await self.probes.mutate(
+                    key, self._held(lambda r: msgspec.structs.replace(r, heartbeat_time=now()))
+                )
+            except (NodusError, nats.errors.Error) as error:  # the bus reconnects; beat again
+                log.warning("%s epoch %d: heartbeat not written: %s", gang, epoch, error)
                 continue
-            task = self.tasks.spawn(self._qualify(*key), name=f"probe {key[0]}.{key[1]}")
-            self._active[key] = task
-            task.add_done_callback(lambda _, k=key: self._active.pop(k, None))  # type: ignore[misc]
+            if beat is None:
+                log.warning("%s epoch %d: another prober took the probe over", gang, epoch)
+                holder.cancel()
+                return
 
     # -- the probe -----------------------------------------------------------------------------
 
     async def _qualify(self, gang: str, epoch_number: int) -> None:
-        started = asyncio.get_running_loop().time()
         stored = await self.epochs.get(names.epoch_key(gang, epoch_number))
         if stored is None:
             return
-        epoch = stored.value
-        nodes = [m.node for m in sorted(epoch.members, key=lambda m: m.rank)]
+        nodes = [m.node for m in sorted(stored.value.members, key=lambda m: m.rank)]
+        if not await self._claim(gang, epoch_number, len(rounds(nodes))):
+            return
+        holder = asyncio.current_task()
+        assert holder is not None
+        beat = self.tasks.spawn(self._hold(gang, epoch_number, holder), name="heartbeat")
+        try:
+            await self._probe_epoch(gang, stored.value, nodes)
+        finally:
+            beat.cancel()
+
+    async def _probe_epoch(self, gang: str, epoch: Epoch, nodes: list[str]) -> None:
+        started = asyncio.get_running_loop().time()
+        epoch_number = epoch.epoch
         schedule = rounds(nodes)
-        record = ProbeRecord(
-            gang=gang,
-            epoch=epoch_number,
-            state="Running",
-            prober=self.replica,
-            started_time=now(),
-            rounds=len(schedule),
-        )
-        if await self.probes.create(names.epoch_key(gang, epoch_number), record) is None:
-            return  # another replica runs it
         if not await update_job(
-            self.jobs, gang, epoch_number, lambda s: _phase(s, Phase.PROBING), {Phase.PLACED}
+            self.jobs, gang, epoch_number, lambda s: _phase(s, Phase.PROBING), OPEN
         ):
             return
         await self._wait_joined(gang, epoch_number, nodes)
@@ -136,7 +243,7 @@ class Prober:
             )
             results.extend(outcome)
             await self.probes.mutate(
-                names.epoch_key(gang, epoch_number), _with_pairs(list(results))
+                names.epoch_key(gang, epoch_number), self._held(_with_pairs(list(results)))
             )
         PROBE_SECONDS.observe(asyncio.get_running_loop().time() - started)
         failed = [r for r in results if not r.ok]
@@ -280,12 +387,12 @@ class Prober:
     ) -> None:
         """The probe record's outcome: Qualified, or Failed with its reason."""
 
-        def concluded(record: ProbeRecord | None) -> ProbeRecord | None:
-            if record is None:
-                return None
-            return msgspec.structs.replace(record, state=state, finished_time=t, reason=reason)
-
-        await self.probes.mutate(names.epoch_key(gang, epoch), concluded)
+        await self.probes.mutate(
+            names.epoch_key(gang, epoch),
+            self._held(
+                lambda r: msgspec.structs.replace(r, state=state, finished_time=t, reason=reason)
+            ),
+        )
 
     async def _probe_failed(self, gang: str, epoch: int, pair: PairResult) -> None:
         """G12: the epoch fails, not billed; the gang is placed again without the failing
@@ -381,8 +488,5 @@ def _phase(status: JobStatus, phase: Phase) -> JobStatus:
     return msgspec.structs.replace(status, phase=phase)
 
 
-def _with_pairs(done: list[PairResult]) -> Callable[[ProbeRecord | None], ProbeRecord | None]:
-    def change(record: ProbeRecord | None) -> ProbeRecord | None:
-        return msgspec.structs.replace(record, pairs=done) if record else None
-
-    return change
+def _with_pairs(done: list[PairResult]) -> Callable[[ProbeRecord], ProbeRecord]:
+    return lambda record: msgspec.structs.replace(record, pairs=done)
