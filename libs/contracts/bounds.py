@@ -11,6 +11,10 @@ ASSUMED_WORST_RTT_SECONDS = 0.25
 PROBE_READINESS_SECONDS = 60.0  # G10.1
 PROBE_SAMPLE_SECONDS = 10.0  # G10.2
 JOIN_KEY_TTL_SECONDS = 15 * 60.0  # G9
+# Something that heartbeats and stays silent this long is gone (the placer's default
+# heartbeatTimeoutSeconds for nodes); a holder renews three times within it.
+HEARTBEAT_TIMEOUT_SECONDS = 15.0
+HEARTBEATS_PER_TIMEOUT = 3
 # What the scheduler assumes when comparing placements (G19), until measured numbers exist.
 RELATIVE_TO_DIRECT = {PathClass.PRIVATE: 1.0, PathClass.DIRECT: 1.0, PathClass.RELAYED: 0.25}
 

@@ -24,17 +24,24 @@ class PairResult(Record):
 
 
 class ProbeRecord(Record):
-    """KV `nodus-probes`, key `org.name.epoch`: created once (one prober replica runs it)."""
+    """KV `nodus-probes`, key `org.name.epoch`: the epoch's probe and its holder. The replica
+    that creates it holds it and renews `heartbeatTime` while the job is Placed or Probing; a
+    replica that finds the holder silent for longer than the takeover window, or restarted (same
+    `prober`, another `instance`), takes it over with compare-and-set (one winner), counts an
+    `attempt` and probes the epoch again from the start."""
 
     gang: str
     epoch: int
     state: Literal["Running", "Qualified", "Failed"]
-    prober: str
-    started_time: datetime
+    prober: str  # the replica holding it
+    started_time: datetime  # of this attempt
     rounds: int
     pairs: list[PairResult] = []
     finished_time: datetime | None = None
     reason: str | None = None
+    instance: str = ""  # the holder's process: a replica restarted under its name is another
+    heartbeat_time: datetime | None = None
+    attempt: int = 1  # 1 + the takeovers of this epoch's probe
 
 
 class RankStatus(Record):

@@ -7,6 +7,7 @@ import asyncio
 
 from libs.bus import Bus
 from libs.contracts import names
+from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS
 from libs.runtime import add_common_flags, run_daemon
 from services.prober.service import Prober
 
@@ -16,7 +17,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         "Before a gang's command starts, every member checks its path to every other member "
         "(3 fresh TCP connections each way, RTT, a TCP throughput sample, the path class) in "
         "rounds; the slowest pair is published and sets NetworkQualified; then the ranks are "
-        "launched and watched to the end. Run several replicas: each epoch is probed once."
+        "launched and watched to the end. Run several replicas: each epoch is probed by one of them "
+        "at a time, and taken over (probed again from the start) if that one dies."
     )
     add_common_flags(parser, metrics_port=0)
     parser.add_argument("--replica", help="this replica's name in records (default: random)")
@@ -29,6 +31,14 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--readiness-seconds", type=float, default=60.0, help="readiness window (default 60)"
     )
+    parser.add_argument(
+        "--takeover-seconds",
+        type=float,
+        default=HEARTBEAT_TIMEOUT_SECONDS,
+        help="take over an epoch's probe whose prober has not renewed its heartbeat for this "
+        f"long (default {HEARTBEAT_TIMEOUT_SECONDS:g}); a replica restarted under its "
+        "--replica name takes its own back at once",
+    )
 
 
 async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
@@ -39,7 +49,9 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         buckets=names.ALL_BUCKETS,
         streams=True,
     )
-    prober = Prober(bus, args.replica, args.sample_seconds, args.readiness_seconds)
+    prober = Prober(
+        bus, args.replica, args.sample_seconds, args.readiness_seconds, args.takeover_seconds
+    )
     try:
         await prober.start()
         await stop.wait()

@@ -1,8 +1,7 @@
-"""The central prober and the gang's run (G10-G12, G17): when an epoch is placed it probes every
-pair in rounds through the members' agents, publishes the slowest pair and NetworkQualified,
-launches the ranks, watches them to the end, and bills boot time, run time and relay bytes.
-A failed probe sends the gang back to placement without the failing machine (not billed);
-ShimNotLoaded fails the Job at once (billed)."""
+"""The central prober (G10-G12): when an epoch is placed it probes every pair in rounds through
+the members' agents, publishes the slowest pair and NetworkQualified, and hands the qualified
+epoch to the gang's run (`run.py`: launch, conclude, bill). A failed probe sends the gang back
+to placement (not billed); ShimNotLoaded fails the Job at once (billed)."""
 
 from __future__ import annotations
 
@@ -11,18 +10,19 @@ import logging
 import secrets
 from collections.abc import Callable
 from datetime import datetime
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import msgspec
+import nats.errors
 from prometheus_client import Counter, Histogram
 
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
+from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS, HEARTBEATS_PER_TIMEOUT
 from libs.contracts.epochs import Epoch
 from libs.contracts.errors import NodusError
 from libs.contracts.jobs import (
-    Billing,
     ConditionType,
     Job,
     JobStatus,
@@ -32,27 +32,23 @@ from libs.contracts.jobs import (
     with_condition,
 )
 from libs.contracts.lifecycle import (
-    LaunchReply,
-    LaunchRequest,
     PairResult,
     ProbePairRequest,
     ProbeRecord,
     ProbeServeReply,
     ProbeServeRequest,
-    RankStatus,
     ShimCheckReply,
     ShimCheckRequest,
-    StopRequest,
 )
-from libs.contracts.relay import Member, UsageRecord
-from libs.runtime.tasks import cancel_and_wait
+from libs.contracts.relay import Member
+from libs.runtime.tasks import TaskSet
+from services.prober.run import GangRun, boot_billed, update_job
 from services.prober.schedule import rounds
 
 log = logging.getLogger("nodus.prober")
 R = TypeVar("R", bound=msgspec.Struct)
 
 MAX_EPOCHS = 5  # epochs a gang may fail its probe in before the Job fails
-USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (1 s) plus delivery
 
 PROBES = Counter("nodus_prober_probes_total", "Epoch probes by outcome", ["outcome"])
 PROBE_SECONDS = Histogram(
@@ -60,7 +56,11 @@ PROBE_SECONDS = Histogram(
     "Wall time of one epoch's probe",
     buckets=(1, 2, 5, 10, 20, 40, 80, 160, 320),
 )
-RUNS = Counter("nodus_prober_runs_total", "Gang runs by outcome", ["outcome"])
+TAKEOVERS = Counter(
+    "nodus_prober_takeovers_total",
+    "Epoch probes taken over from a prober replica that went silent or restarted",
+)
+OPEN = {Phase.PLACED, Phase.PROBING}  # a job whose epoch's probe someone must hold
 
 
 class Prober:
@@ -70,6 +70,7 @@ class Prober:
         replica: str | None = None,
         sample_seconds: float = 10.0,
         readiness_seconds: float = 60.0,
+        takeover_seconds: float = HEARTBEAT_TIMEOUT_SECONDS,
     ) -> None:
         self.bus = bus
         self.replica = replica or f"prober-{secrets.token_hex(3)}"
@@ -79,73 +80,154 @@ class Prober:
         self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
         self.members = bus.bucket(names.BUCKET_MEMBERS, Member)
         self.probes = bus.bucket(names.BUCKET_PROBES, ProbeRecord)
-        self.ranks = bus.bucket(names.BUCKET_RANKS, RankStatus)
-        self._active: dict[tuple[str, int], asyncio.Task[None]] = {}
-        self._concluding: set[asyncio.Task[None]] = set()
-        self._tasks: list[asyncio.Task[None]] = []
+        self.run = GangRun(bus)
+        self.instance = secrets.token_hex(4)  # this process, in the probe records it holds
+        self.takeover_seconds = takeover_seconds
+        self.beat_seconds = takeover_seconds / HEARTBEATS_PER_TIMEOUT
+        self.tasks = TaskSet("prober", log)
+        self._active: dict[tuple[str, int], asyncio.Task[None]] = {}  # epochs probed here
+        self._open: dict[str, int] = {}  # Placed or Probing jobs -> their epoch
 
     async def start(self) -> None:
-        self._tasks = [
-            asyncio.create_task(self._watch_jobs()),
-            asyncio.create_task(self._watch_ranks()),
-        ]
+        await self.run.start()
+        caught_up = asyncio.Event()
+        self.tasks.spawn(self._watch_jobs(caught_up), name="watch-jobs")
+        self.tasks.spawn(self._sweep(caught_up), name="takeover-sweep")
         log.info("prober %s ready", self.replica)
 
     async def stop(self) -> None:
-        await cancel_and_wait([*self._tasks, *self._active.values(), *self._concluding])
+        await self.tasks.close()
+        await self.run.stop()
 
     # -- watching ------------------------------------------------------------------------------
 
-    async def _watch_jobs(self) -> None:
-        async for change in self.jobs.watch():
+    async def _watch_jobs(self, caught_up: asyncio.Event) -> None:
+        async for change in self.jobs.watch(caught_up=caught_up):
             job = change.value
-            if job is None or job.status.phase is not Phase.PLACED:
+            if job is None or job.status.phase not in OPEN:
+                self._open.pop(change.key, None)
                 continue
-            key = (job.key, job.status.epoch)
-            if key in self._active:
+            self._open[job.key] = job.status.epoch
+            if job.status.phase is Phase.PLACED:
+                self._probe(job.key, job.status.epoch)
+
+    async def _sweep(self, caught_up: asyncio.Event) -> None:
+        """Takeover: once the jobs are known, and on every beat after, each Placed or Probing
+        epoch that no task here probes is offered to `_claim`, which takes it over when its
+        holder is silent or restarted. The first pass is a replica's start."""
+        await caught_up.wait()
+        while True:
+            for gang, epoch in list(self._open.items()):
+                self._probe(gang, epoch)
+            await asyncio.sleep(self.beat_seconds)
+
+    def _probe(self, gang: str, epoch: int) -> None:
+        key = (gang, epoch)
+        if key in self._active:
+            return
+        task = self.tasks.spawn(self._qualify(gang, epoch), name=f"probe {gang}.{epoch}")
+        self._active[key] = task
+        task.add_done_callback(lambda _: self._active.pop(key, None))
+
+    # -- holding an epoch's probe --------------------------------------------------------------
+
+    async def _claim(self, gang: str, epoch: int, rounds: int) -> bool:
+        """Create the epoch's probe record, or take it over from a holder that is silent or
+        restarted; compare-and-set on the record's revision, so one replica wins."""
+        job = await self.jobs.get(gang)
+        if job is None or job.value.status.epoch != epoch or job.value.status.phase not in OPEN:
+            return False
+        key = names.epoch_key(gang, epoch)
+        t = now()
+        mine = ProbeRecord(
+            gang=gang,
+            epoch=epoch,
+            state="Running",
+            prober=self.replica,
+            instance=self.instance,
+            started_time=t,
+            heartbeat_time=t,
+            rounds=rounds,
+        )
+        current = await self.probes.get(key)
+        if current is None:
+            return await self.probes.create(key, mine) is not None
+        held = current.value
+        if held.prober == self.replica and held.instance != self.instance:
+            why = "its previous run"
+        else:
+            silent = (t - (held.heartbeat_time or held.started_time)).total_seconds()
+            if silent <= self.takeover_seconds:
+                return False  # its holder is alive (or this task's own, ended, waits its turn)
+            why = f"silent for {silent:.1f} s"
+        taken = msgspec.structs.replace(mine, attempt=held.attempt + 1)
+        if await self.probes.update(key, taken, current.revision) is None:
+            return False  # another replica took it first, or the holder beat just now
+        TAKEOVERS.inc()
+        log.warning(
+            "%s epoch %d: took the probe over from %s (%s); probing again from the start "
+            "(attempt %d)",
+            gang,
+            epoch,
+            held.prober,
+            why,
+            taken.attempt,
+        )
+        return True
+
+    def _held(
+        self, change: Callable[[ProbeRecord], ProbeRecord]
+    ) -> Callable[[ProbeRecord | None], ProbeRecord | None]:
+        """A change to the probe record only while this process holds it."""
+
+        def guarded(record: ProbeRecord | None) -> ProbeRecord | None:
+            if record is None or (record.prober, record.instance) != (self.replica, self.instance):
+                return None
+            return change(record)
+
+        return guarded
+
+    async def _hold(self, gang: str, epoch: int, holder: asyncio.Task[None]) -> None:
+        """Renew the heartbeat while `holder` probes and launches; a record taken over by
+        another replica stops it."""
+        key = names.epoch_key(gang, epoch)
+        while True:
+            await asyncio.sleep(self.beat_seconds)
+            try:
+                beat = await self.probes.mutate(
+                    key, self._held(lambda r: msgspec.structs.replace(r, heartbeat_time=now()))
+                )
+            except (NodusError, nats.errors.Error) as error:  # the bus reconnects; beat again
+                log.warning("%s epoch %d: heartbeat not written: %s", gang, epoch, error)
                 continue
-            task = asyncio.create_task(self._qualify(*key))
-            self._active[key] = task
-            task.add_done_callback(lambda _, k=key: self._active.pop(k, None))  # type: ignore[misc]
-
-    async def _watch_ranks(self) -> None:
-        async for change in self.ranks.watch():
-            status = change.value
-            if status is not None and status.state != "Running":
-                # One task per exit: a check that runs while another rank exits must not be
-                # the last one (the job's compare-and-set lets one of them conclude).
-                task = asyncio.create_task(self._conclude_logged(status.gang, status.epoch))
-                self._concluding.add(task)
-                task.add_done_callback(self._concluding.discard)
-
-    async def _conclude_logged(self, gang: str, epoch: int) -> None:
-        try:
-            await self._conclude(gang, epoch)
-        except Exception:
-            log.exception("concluding %s epoch %d", gang, epoch)
+            if beat is None:
+                log.warning("%s epoch %d: another prober took the probe over", gang, epoch)
+                holder.cancel()
+                return
 
     # -- the probe -----------------------------------------------------------------------------
 
     async def _qualify(self, gang: str, epoch_number: int) -> None:
-        started = asyncio.get_running_loop().time()
         stored = await self.epochs.get(names.epoch_key(gang, epoch_number))
         if stored is None:
             return
-        epoch = stored.value
-        nodes = [m.node for m in sorted(epoch.members, key=lambda m: m.rank)]
+        nodes = [m.node for m in sorted(stored.value.members, key=lambda m: m.rank)]
+        if not await self._claim(gang, epoch_number, len(rounds(nodes))):
+            return
+        holder = asyncio.current_task()
+        assert holder is not None
+        beat = self.tasks.spawn(self._hold(gang, epoch_number, holder), name="heartbeat")
+        try:
+            await self._probe_epoch(gang, stored.value, nodes)
+        finally:
+            beat.cancel()
+
+    async def _probe_epoch(self, gang: str, epoch: Epoch, nodes: list[str]) -> None:
+        started = asyncio.get_running_loop().time()
+        epoch_number = epoch.epoch
         schedule = rounds(nodes)
-        record = ProbeRecord(
-            gang=gang,
-            epoch=epoch_number,
-            state="Running",
-            prober=self.replica,
-            started_time=now(),
-            rounds=len(schedule),
-        )
-        if await self.probes.create(names.epoch_key(gang, epoch_number), record) is None:
-            return  # another replica runs it
-        if not await self._update_job(
-            gang, epoch_number, lambda s: _phase(s, Phase.PROBING), {Phase.PLACED}
+        if not await update_job(
+            self.jobs, gang, epoch_number, lambda s: _phase(s, Phase.PROBING), OPEN
         ):
             return
         await self._wait_joined(gang, epoch_number, nodes)
@@ -161,7 +243,7 @@ class Prober:
             )
             results.extend(outcome)
             await self.probes.mutate(
-                names.epoch_key(gang, epoch_number), _with_pairs(list(results))
+                names.epoch_key(gang, epoch_number), self._held(_with_pairs(list(results)))
             )
         PROBE_SECONDS.observe(asyncio.get_running_loop().time() - started)
         failed = [r for r in results if not r.ok]
@@ -170,9 +252,7 @@ class Prober:
         transport = job.value.spec.distributed.transport if job else "Auto"
         worse = [r for r in results if r.ok and r.path.split(":")[0] not in wanted[transport]]
         if failed or worse:
-            await self._probe_failed(
-                gang, epoch_number, (failed or worse)[0], results, bool(failed)
-            )
+            await self._probe_failed(gang, epoch_number, (failed or worse)[0])
             return
         await self._qualified(gang, epoch_number, nodes, results)
 
@@ -230,38 +310,22 @@ class Prober:
                     measured_time=now(),
                 )
         timeout = self.readiness_seconds + self.sample_seconds + 45
+
+        async def probe(node: str, peer: str, measure: bool) -> PairResult:
+            request = ProbePairRequest(
+                gang=gang,
+                epoch=epoch,
+                peer=peer,
+                address=ends[peer].address,
+                port=ends[peer].port,
+                sample_seconds=self.sample_seconds,
+                readiness_seconds=self.readiness_seconds,
+                measure=measure,
+            )
+            return await self._request(node, "probe-pair", request, PairResult, timeout)
+
         forward, reverse = await asyncio.gather(
-            self._request(
-                a,
-                "probe-pair",
-                ProbePairRequest(
-                    gang=gang,
-                    epoch=epoch,
-                    peer=b,
-                    address=ends[b].address,
-                    port=ends[b].port,
-                    sample_seconds=self.sample_seconds,
-                    readiness_seconds=self.readiness_seconds,
-                ),
-                PairResult,
-                timeout,
-            ),
-            self._request(
-                b,
-                "probe-pair",
-                ProbePairRequest(
-                    gang=gang,
-                    epoch=epoch,
-                    peer=a,
-                    address=ends[a].address,
-                    port=ends[a].port,
-                    readiness_seconds=self.readiness_seconds,
-                    measure=False,
-                ),
-                PairResult,
-                timeout,
-            ),
-            return_exceptions=True,
+            probe(a, b, True), probe(b, a, False), return_exceptions=True
         )
         if isinstance(forward, BaseException) or not forward.ok:
             why = forward if isinstance(forward, BaseException) else forward.error
@@ -287,10 +351,7 @@ class Prober:
     ) -> None:
         slowest = min(results, key=lambda r: r.tcp_gbps)
         t = now()
-        await self.probes.mutate(
-            names.epoch_key(gang, epoch),
-            lambda r: msgspec.structs.replace(r, state="Qualified", finished_time=t) if r else None,
-        )
+        await self._conclude_record(gang, epoch, "Qualified", t)
         probe = Probe(
             tcp_gbps=slowest.tcp_gbps,
             rtt_ms=max(r.rtt_ms for r in results),
@@ -311,65 +372,37 @@ class Prober:
                 t,
             )
 
-        if not await self._update_job(gang, epoch, qualified, {Phase.PROBING}):
+        if not await update_job(self.jobs, gang, epoch, qualified, {Phase.PROBING}):
             return
         PROBES.labels("qualified").inc()
-        job = await self.jobs.get(gang)
-        if job is None:
-            return
-        stored = await self.epochs.get(names.epoch_key(gang, epoch))
-        assert stored is not None
-        launches = await asyncio.gather(
-            *(
-                self._request(
-                    m.node,
-                    "launch",
-                    LaunchRequest(gang=gang, epoch=epoch, rank=m.rank),
-                    LaunchReply,
-                    30,
-                )
-                for m in stored.value.members
-            ),
-            return_exceptions=True,
-        )
-        failed = [
-            (m.node, r)
-            for m, r in zip(stored.value.members, launches, strict=True)
-            if isinstance(r, BaseException)
-        ]
-        started = now()
+        await self.run.launch(gang, epoch)
 
-        def running(status: JobStatus) -> JobStatus:
-            boot = (started - (status.placed_time or started)).total_seconds()
-            return msgspec.structs.replace(
-                status,
-                phase=Phase.RUNNING,
-                run_started_time=started,
-                billing=Billing(boot_seconds=round(boot, 3)),
-            )
-
-        await self._update_job(gang, epoch, running, {Phase.PROBING})
-        if failed:
-            node, error = failed[0]
-            await self._finish(gang, epoch, False, "LaunchFailed", f"{node}: {error}")
-
-    async def _probe_failed(
-        self, gang: str, epoch: int, pair: PairResult, results: list[PairResult], unreachable: bool
+    async def _conclude_record(
+        self,
+        gang: str,
+        epoch: int,
+        state: Literal["Qualified", "Failed"],
+        t: datetime,
+        reason: str | None = None,
     ) -> None:
-        """G12: the epoch fails and the gang is placed again without the failing machine;
-        the failed epoch's time is not billed."""
+        """The probe record's outcome: Qualified, or Failed with its reason."""
+
+        await self.probes.mutate(
+            names.epoch_key(gang, epoch),
+            self._held(
+                lambda r: msgspec.structs.replace(r, state=state, finished_time=t, reason=reason)
+            ),
+        )
+
+    async def _probe_failed(self, gang: str, epoch: int, pair: PairResult) -> None:
+        """G12: the epoch fails, not billed; the gang is placed again without the failing
+        machine, continues as Relayed (an Auto gang whose direct path failed), or fails once
+        it has used up its epochs."""
         t = now()
         reason = f"pair {pair.a}-{pair.b}: " + (
             pair.error or f"path {pair.path} is worse than the transport allows"
         )
-        await self.probes.mutate(
-            names.epoch_key(gang, epoch),
-            lambda r: (
-                msgspec.structs.replace(r, state="Failed", finished_time=t, reason=reason)
-                if r
-                else None
-            ),
-        )
+        await self._conclude_record(gang, epoch, "Failed", t, reason)
         PROBES.labels("failed").inc()
 
         stored = await self.epochs.get(names.epoch_key(gang, epoch))
@@ -387,6 +420,14 @@ class Prober:
                 record = await self.probes.get(names.epoch_key(gang, number))
                 if record is not None and record.value.state == "Failed":
                     history.append(f"epoch {number}: {record.value.reason}")
+
+        suspect = pair.suspect or pair.b
+        if history:
+            next_step = f"the job fails: no qualified placement after {epoch} epochs"
+        elif direct_failed:
+            next_step = "it continues as Relayed on the same machines"
+        else:
+            next_step = f"placing it again without {suspect}"
 
         def again(status: JobStatus) -> JobStatus:
             if history:
@@ -418,32 +459,18 @@ class Prober:
                 status, ConditionType.NETWORK_QUALIFIED, "False", "ProbeFailed", reason, t
             )
             return msgspec.structs.replace(
-                status, phase=Phase.PENDING, avoid=[*status.avoid, pair.suspect or pair.b]
+                status, phase=Phase.PENDING, avoid=[*status.avoid, suspect]
             )
 
-        await self._update_job(gang, epoch, again, {Phase.PROBING})
-        log.warning(
-            "%s epoch %d failed its probe (%s); placing it again without %s",
-            gang,
-            epoch,
-            reason,
-            pair.suspect or pair.b,
-        )
+        if await update_job(self.jobs, gang, epoch, again, {Phase.PROBING}):
+            log.warning("%s epoch %d failed its probe (%s); %s", gang, epoch, reason, next_step)
 
     async def _shim_not_loaded(self, gang: str, epoch: int, why: str) -> None:
         t = now()
-        await self.probes.mutate(
-            names.epoch_key(gang, epoch),
-            lambda r: (
-                msgspec.structs.replace(r, state="Failed", finished_time=t, reason=why)
-                if r
-                else None
-            ),
-        )
+        await self._conclude_record(gang, epoch, "Failed", t, why)
         PROBES.labels("shim_not_loaded").inc()
 
         def failed(status: JobStatus) -> JobStatus:
-            boot = (t - (status.placed_time or t)).total_seconds()
             status = with_condition(
                 status, ConditionType.NETWORK_QUALIFIED, "False", "ShimNotLoaded", why, t
             )
@@ -451,137 +478,15 @@ class Prober:
                 status,
                 phase=Phase.FAILED,
                 finished_time=t,
-                billing=Billing(boot_seconds=round(boot, 3)),
+                billing=boot_billed(status, t),
             )
 
-        await self._update_job(gang, epoch, failed, {Phase.PROBING})
-
-    # -- the run -------------------------------------------------------------------------------
-
-    async def _conclude(self, gang: str, epoch: int) -> None:
-        job = await self.jobs.get(gang)
-        if (
-            job is None
-            or job.value.status.epoch != epoch
-            or job.value.status.phase is not Phase.RUNNING
-        ):
-            return
-        stored = await self.epochs.get(names.epoch_key(gang, epoch))
-        if stored is None:
-            return
-        found = await asyncio.gather(
-            *(self.ranks.get(names.rank_key(gang, epoch, m.rank)) for m in stored.value.members)
-        )
-        statuses = {f.key: f for f in found if f is not None}
-        members = {m.rank: m.node for m in stored.value.members}
-        # A rank the platform stopped (fencing, a machine going away) is not the workload
-        # failing: the gang is re-placed by the member-loss path instead.
-        failed = [
-            s.value for s in statuses.values() if s.value.state == "Exited" and s.value.exit_code
-        ]
-        if failed:
-            first = min(failed, key=lambda s: s.ended_time or now())
-            await self._finish(
-                gang,
-                epoch,
-                False,
-                "RankFailed",
-                f"rank {first.rank} on {first.node} exited with code {first.exit_code}",
-            )
-            return
-        done = [
-            s for s in statuses.values() if s.value.state == "Exited" and s.value.exit_code == 0
-        ]
-        if len(done) == len(members):
-            await self._finish(gang, epoch, True, "Completed", f"all {len(members)} ranks exited 0")
-
-    async def _finish(
-        self, gang: str, epoch: int, succeeded: bool, reason: str, message: str
-    ) -> None:
-        t = now()
-        # Relays publish what members sent once a second: wait for the last flush of the run.
-        await asyncio.sleep(USAGE_SETTLE_SECONDS)
-        relay_bytes = await self._relay_bytes(gang)
-
-        def finished(status: JobStatus) -> JobStatus:
-            run = (t - (status.run_started_time or t)).total_seconds()
-            boot = status.billing.boot_seconds if status.billing else 0.0
-            status = msgspec.structs.replace(
-                status,
-                phase=Phase.SUCCEEDED if succeeded else Phase.FAILED,
-                finished_time=t,
-                billing=Billing(
-                    boot_seconds=boot,
-                    run_seconds=round(run, 3),
-                    mesh_relay_gi_b=relay_bytes / 2**30,
-                ),
-            )
-            return with_condition(status, ConditionType.GANG_READY, "False", reason, message, t)
-
-        if await self._update_job(gang, epoch, finished, {Phase.RUNNING}):
-            RUNS.labels("succeeded" if succeeded else "failed").inc()
-            log.info(
-                "%s epoch %d %s: %s", gang, epoch, "succeeded" if succeeded else "failed", message
-            )
-            if not succeeded:
-                stored = await self.epochs.get(names.epoch_key(gang, epoch))
-                for member in stored.value.members if stored else []:
-                    try:
-                        await self._request(
-                            member.node,
-                            "stop",
-                            StopRequest(gang=gang, epoch=epoch),
-                            LaunchReply,
-                            15,
-                        )
-                    except NodusError as error:
-                        log.warning("stopping %s on %s: %s", gang, member.node, error)
-
-    async def _relay_bytes(self, gang: str) -> int:
-        total = 0
-        sub = await self.bus.js.subscribe(f"nodus.usage.*.{gang}", ordered_consumer=True)
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=0.3)
-                except Exception:  # nothing more
-                    break
-                try:
-                    total += msgspec.json.decode(msg.data, type=UsageRecord).bytes_sent
-                except msgspec.ValidationError:
-                    continue
-                if msg.metadata.num_pending == 0:
-                    break
-        finally:
-            await sub.unsubscribe()
-        return total
-
-    async def _update_job(
-        self, gang: str, epoch: int, change: Callable[[JobStatus], JobStatus], phases: set[Phase]
-    ) -> bool:
-        """Compare-and-set on the job: only while it is still this epoch, in one of `phases`."""
-        applied = [False]
-
-        def update(job: Job | None) -> Job | None:
-            if job is None or job.status.epoch != epoch or job.status.phase not in phases:
-                return None
-            applied[0] = True
-            return msgspec.structs.replace(job, status=change(job.status))
-
-        result = await self.jobs.mutate(gang, update)
-        return result is not None and applied[0]
+        await update_job(self.jobs, gang, epoch, failed, {Phase.PROBING})
 
 
 def _phase(status: JobStatus, phase: Phase) -> JobStatus:
     return msgspec.structs.replace(status, phase=phase)
 
 
-def _age(since: datetime | None, t: datetime) -> float:
-    return (t - since).total_seconds() if since else 0.0
-
-
-def _with_pairs(done: list[PairResult]) -> Callable[[ProbeRecord | None], ProbeRecord | None]:
-    def change(record: ProbeRecord | None) -> ProbeRecord | None:
-        return msgspec.structs.replace(record, pairs=done) if record else None
-
-    return change
+def _with_pairs(done: list[PairResult]) -> Callable[[ProbeRecord], ProbeRecord]:
+    return lambda record: msgspec.structs.replace(record, pairs=done)

@@ -8,6 +8,8 @@ placer, prober, two meshed relays, one agent per fleet machine):
   path `derp:<region>`, its relay bytes billed as mesh-relay GiB and shown by `nodus usage`;
 - SIGKILLing a member's agent during the run fences the epoch, a new epoch without the lost
   machine runs and Succeeds, and what was left on the old epoch cannot reach the new gang.
+
+(The prober killed and restarted: test_prober_restart.py.)
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ async def local_system(
     tmp_path: Path,
     machines: list[dict[str, Any]],
     heartbeat_timeout_seconds: float | None = None,
+    sample_seconds: float = SAMPLE_SECONDS,
 ) -> AsyncIterator[tuple[LocalSystem, Client, Bus]]:
     """The whole system as processes on the fleet `machines`; always stopped on the way out."""
     fleet = tmp_path / "fleet.yaml"
@@ -112,7 +115,7 @@ async def local_system(
         fleet_path=fleet,
         state_dir=tmp_path / "state",
         nats_port=free_port(),
-        probe_seconds=SAMPLE_SECONDS,
+        probe_seconds=sample_seconds,
         heartbeat_seconds=0.5,
         placer_config=config,
     )

@@ -1,0 +1,233 @@
+"""The gang's run (G17): once the probe qualified an epoch, its ranks are launched; every rank
+exit is checked, and the job concludes Succeeded or Failed and is billed boot time, run time
+and relay bytes. Every step is a compare-and-set on the job (`update_job`), so replicas that
+race (or a prober that comes back after a rank exited) conclude and bill it once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from datetime import datetime
+
+import msgspec
+from prometheus_client import Counter
+
+from libs.bus import Bus
+from libs.bus.kv import Bucket
+from libs.contracts import names
+from libs.contracts.base import now
+from libs.contracts.epochs import Epoch
+from libs.contracts.errors import NodusError
+from libs.contracts.jobs import Billing, ConditionType, Job, JobStatus, Phase, with_condition
+from libs.contracts.lifecycle import LaunchReply, LaunchRequest, RankStatus, StopRequest
+from libs.contracts.relay import UsageRecord
+from libs.runtime.tasks import TaskSet
+
+log = logging.getLogger("nodus.prober")
+
+USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (1 s) plus delivery
+
+RUNS = Counter("nodus_prober_runs_total", "Gang runs by outcome", ["outcome"])
+
+
+class GangRun:
+    """Launch, conclude and bill; shares the prober's process and bus connection."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.jobs = bus.bucket(names.BUCKET_JOBS, Job)
+        self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
+        self.ranks = bus.bucket(names.BUCKET_RANKS, RankStatus)
+        self.tasks = TaskSet("gang run", log)
+
+    async def start(self) -> None:
+        self.tasks.spawn(self._watch_ranks(), name="watch-ranks")
+
+    async def stop(self) -> None:
+        await self.tasks.close()
+
+    async def launch(self, gang: str, epoch: int) -> None:
+        """The qualified epoch's ranks, all at once (G3); Running with the boot time billed."""
+        stored = await self.epochs.get(names.epoch_key(gang, epoch))
+        assert stored is not None
+        launches = await asyncio.gather(
+            *(
+                self.bus.request(
+                    names.node_request(m.node, "launch"),
+                    LaunchRequest(gang=gang, epoch=epoch, rank=m.rank),
+                    LaunchReply,
+                    30,
+                )
+                for m in stored.value.members
+            ),
+            return_exceptions=True,
+        )
+        failed = [
+            (m.node, r)
+            for m, r in zip(stored.value.members, launches, strict=True)
+            if isinstance(r, BaseException)
+        ]
+        started = now()
+
+        def running(status: JobStatus) -> JobStatus:
+            return msgspec.structs.replace(
+                status,
+                phase=Phase.RUNNING,
+                run_started_time=started,
+                billing=boot_billed(status, started),
+            )
+
+        if not await update_job(self.jobs, gang, epoch, running, {Phase.PROBING}):
+            return
+        if failed:
+            node, error = failed[0]
+            await self._finish(gang, epoch, False, "LaunchFailed", f"{node}: {error}", started)
+            return
+        # A rank that exited before the job was Running was seen while there was nothing to
+        # conclude: look once more now that there is.
+        await self._conclude(gang, epoch)
+
+    async def _watch_ranks(self) -> None:
+        """The watch begins with every rank's current record: an exit that happened while no
+        prober was up concludes its job when one starts."""
+        async for change in self.ranks.watch():
+            status = change.value
+            if status is not None and status.state != "Running":
+                # One task per exit: a check that runs while another rank exits must not be
+                # the last one (the job's compare-and-set lets one of them conclude).
+                self.tasks.spawn(
+                    self._conclude(status.gang, status.epoch),
+                    name=f"conclude {status.gang}.{status.epoch}",
+                )
+
+    async def _conclude(self, gang: str, epoch: int) -> None:
+        job = await self.jobs.get(gang)
+        if (
+            job is None
+            or job.value.status.epoch != epoch
+            or job.value.status.phase is not Phase.RUNNING
+        ):
+            return
+        stored = await self.epochs.get(names.epoch_key(gang, epoch))
+        if stored is None:
+            return
+        found = await asyncio.gather(
+            *(self.ranks.get(names.rank_key(gang, epoch, m.rank)) for m in stored.value.members)
+        )
+        statuses = {f.key: f for f in found if f is not None}
+        members = {m.rank: m.node for m in stored.value.members}
+        # A rank the platform stopped (fencing, a machine going away) is not the workload
+        # failing: the gang is re-placed by the member-loss path instead.
+        failed = [
+            s.value for s in statuses.values() if s.value.state == "Exited" and s.value.exit_code
+        ]
+        if failed:
+            first = min(failed, key=lambda s: s.ended_time or now())
+            await self._finish(
+                gang,
+                epoch,
+                False,
+                "RankFailed",
+                f"rank {first.rank} on {first.node} exited with code {first.exit_code}",
+                first.ended_time or now(),
+            )
+            return
+        done = [
+            s.value
+            for s in statuses.values()
+            if s.value.state == "Exited" and s.value.exit_code == 0
+        ]
+        if len(done) == len(members):
+            last = max((s.ended_time or now() for s in done), default=now())
+            await self._finish(
+                gang, epoch, True, "Completed", f"all {len(members)} ranks exited 0", last
+            )
+
+    async def _finish(
+        self, gang: str, epoch: int, succeeded: bool, reason: str, message: str, t: datetime
+    ) -> None:
+        """The end at `t` (when the ranks ended, even if no prober was up then), billed once:
+        the compare-and-set from Running lets one writer conclude."""
+        # Relays publish what members sent once a second: wait for the last flush of the run.
+        await asyncio.sleep(USAGE_SETTLE_SECONDS)
+        relay_bytes = await self._relay_bytes(gang)
+
+        def finished(status: JobStatus) -> JobStatus:
+            # A rank can end before the launch replies are all in and the run's start is set.
+            end = max(t, status.run_started_time or t)
+            run = (end - (status.run_started_time or end)).total_seconds()
+            boot = status.billing.boot_seconds if status.billing else 0.0
+            status = msgspec.structs.replace(
+                status,
+                phase=Phase.SUCCEEDED if succeeded else Phase.FAILED,
+                finished_time=end,
+                billing=Billing(
+                    boot_seconds=boot,
+                    run_seconds=round(run, 3),
+                    mesh_relay_gi_b=relay_bytes / 2**30,
+                ),
+            )
+            return with_condition(status, ConditionType.GANG_READY, "False", reason, message, end)
+
+        if await update_job(self.jobs, gang, epoch, finished, {Phase.RUNNING}):
+            RUNS.labels("succeeded" if succeeded else "failed").inc()
+            log.info(
+                "%s epoch %d %s: %s", gang, epoch, "succeeded" if succeeded else "failed", message
+            )
+            if not succeeded:
+                stored = await self.epochs.get(names.epoch_key(gang, epoch))
+                for member in stored.value.members if stored else []:
+                    try:
+                        await self.bus.request(
+                            names.node_request(member.node, "stop"),
+                            StopRequest(gang=gang, epoch=epoch),
+                            LaunchReply,
+                            15,
+                        )
+                    except NodusError as error:
+                        log.warning("stopping %s on %s: %s", gang, member.node, error)
+
+    async def _relay_bytes(self, gang: str) -> int:
+        total = 0
+        sub = await self.bus.js.subscribe(f"nodus.usage.*.{gang}", ordered_consumer=True)
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=0.3)
+                except Exception:  # nothing more
+                    break
+                try:
+                    total += msgspec.json.decode(msg.data, type=UsageRecord).bytes_sent
+                except msgspec.ValidationError:
+                    continue
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return total
+
+
+def boot_billed(status: JobStatus, t: datetime) -> Billing:
+    """Placement through the probe is billed as boot time (G10), up to `t`."""
+    return Billing(boot_seconds=round((t - (status.placed_time or t)).total_seconds(), 3))
+
+
+async def update_job(
+    jobs: Bucket[Job],
+    gang: str,
+    epoch: int,
+    change: Callable[[JobStatus], JobStatus],
+    phases: set[Phase],
+) -> bool:
+    """Compare-and-set on the job: only while it is still this epoch, in one of `phases`."""
+    applied = [False]
+
+    def update(job: Job | None) -> Job | None:
+        if job is None or job.status.epoch != epoch or job.status.phase not in phases:
+            return None
+        applied[0] = True
+        return msgspec.structs.replace(job, status=change(job.status))
+
+    result = await jobs.mutate(gang, update)
+    return result is not None and applied[0]
