@@ -11,7 +11,8 @@ import pytest
 from libs.bus import Bus
 from libs.bus.server import NatsServer
 from libs.contracts import names
-from services.placer.config import PlacerConfig, load_config
+from libs.contracts.placer import PlacerConfig
+from services.placer.config import load_config
 from services.placer.service import Placer
 
 

@@ -9,7 +9,8 @@ from typing import Any
 from libs.contracts.errors import ErrorCode
 from libs.contracts.fleet import NodeRecord
 from libs.contracts.jobs import Job, PathClass
-from services.placer.config import PlacerConfig, load_config
+from libs.contracts.placer import PlacerConfig
+from services.placer.config import load_config
 from services.placer.planner import Exclusions, Plan, Planner, Shortfall, check_plan
 from tests.factories import job, machine, node_record
 

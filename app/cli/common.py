@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -16,8 +15,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from app.output import jsonpath, to_json, to_yaml
-from libs.bus.connection import DEFAULT_URL
 from libs.contracts.errors import NodusError
+from libs.runtime.service import add_bus_flags
 
 Run = Callable[[argparse.Namespace], int]
 AsyncBody = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
@@ -93,12 +92,7 @@ def run_async(body: AsyncBody) -> Run:
 
 def client_flags(parser: argparse.ArgumentParser, org: bool = True) -> None:
     """How a client command reaches the bus; `--org` where a job name is looked up."""
-    parser.add_argument(
-        "--nats",
-        default=os.environ.get("NODUS_NATS_URL", DEFAULT_URL),
-        help=f"bus URL (env NODUS_NATS_URL; default {DEFAULT_URL})",
-    )
-    parser.add_argument("--credentials", default=os.environ.get("NODUS_NATS_CREDS"))
+    add_bus_flags(parser)
     if org:
         parser.add_argument("--org", help="the job's org, needed only when two orgs use one name")
 

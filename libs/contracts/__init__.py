@@ -72,6 +72,7 @@ from libs.contracts.lifecycle import (
     ShimCheckRequest,
     StopRequest,
 )
+from libs.contracts.placer import PlacerConfig, Qualified, RequiredCapabilities
 from libs.contracts.relay import (
     Member,
     RelayRecord,
@@ -130,16 +131,19 @@ __all__ = [
     "PairResult",
     "PathClass",
     "Phase",
+    "PlacerConfig",
     "Probe",
     "ProbePairRequest",
     "ProbeRecord",
     "ProbeServeReply",
     "ProbeServeRequest",
+    "Qualified",
     "RankStatus",
     "Ranktable",
     "RanktableEntry",
     "Record",
     "RelayRecord",
+    "RequiredCapabilities",
     "ShimCheckReply",
     "ShimCheckRequest",
     "StopRequest",

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
-import yaml
 
-from libs.contracts.base import Name, Record, convert
+from libs.contracts.base import Name, Record
 from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.files import load_yaml_file
 from libs.contracts.jobs import Backend
 
 Offering = Literal["vm", "container"]
@@ -107,16 +107,7 @@ class NodeHealth(Record):
 
 def load_fleet(path: Path) -> Fleet:
     """Parse a fleet file; every error names the file and the field (S3)."""
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise NodusError(ErrorCode.INVALID, f"fleet {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise NodusError(ErrorCode.INVALID, f"fleet {path}: not valid YAML: {error}") from None
-    try:
-        fleet = convert(raw, Fleet)
-    except msgspec.ValidationError as error:
-        raise NodusError(ErrorCode.INVALID, f"fleet {path}: {error}") from None
+    fleet = load_yaml_file(path, Fleet, "fleet")
     seen: set[str] = set()
     for machine in fleet.machines:
         if machine.name in seen:

@@ -16,23 +16,29 @@ from typing import Any
 import uvloop
 from prometheus_client import start_http_server
 
+from libs.bus.connection import DEFAULT_URL, default_url
 from libs.contracts.errors import NodusError
 
 Body = Callable[[argparse.Namespace, asyncio.Event], Awaitable[None]]
 
 
-def add_common_flags(parser: argparse.ArgumentParser, metrics_port: int = 0) -> None:
-    """Flags every daemon takes; each falls back to an environment variable."""
+def add_bus_flags(parser: argparse.ArgumentParser) -> None:
+    """How a daemon or a client command reaches the bus."""
     parser.add_argument(
         "--nats",
-        default=os.environ.get("NODUS_NATS_URL", "nats://127.0.0.1:4222"),
-        help="bus URL (env NODUS_NATS_URL; default nats://127.0.0.1:4222)",
+        default=default_url(),
+        help=f"bus URL (env NODUS_NATS_URL; default {DEFAULT_URL})",
     )
     parser.add_argument(
         "--credentials",
         default=os.environ.get("NODUS_NATS_CREDS"),
         help="NATS credentials file (env NODUS_NATS_CREDS)",
     )
+
+
+def add_common_flags(parser: argparse.ArgumentParser, metrics_port: int = 0) -> None:
+    """Flags every daemon takes; each falls back to an environment variable."""
+    add_bus_flags(parser)
     parser.add_argument(
         "--metrics-port",
         type=int,

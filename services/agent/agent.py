@@ -16,6 +16,7 @@ from libs.bus import Bus, Endpoint, EpochGuard
 from libs.contracts import names
 from libs.contracts.api import NodeInfoReply, NodeInfoRequest
 from libs.contracts.base import now
+from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS, HEARTBEATS_PER_TIMEOUT
 from libs.contracts.epochs import Epoch, JoinKeyGrant, JoinRedemption
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Machine, NodeHealth, NodeRecord
@@ -48,7 +49,7 @@ class Agent:
         self,
         bus: Bus,
         machine: Machine,
-        heartbeat_seconds: float = 5.0,
+        heartbeat_seconds: float = HEARTBEAT_TIMEOUT_SECONDS / HEARTBEATS_PER_TIMEOUT,
         socks_endpoint: str = "",
         tunnel_buffer_limit_bytes: int = 64 << 20,
         state_dir: Path | None = None,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from libs.bus import Bus
 from libs.contracts import names
+from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS, HEARTBEATS_PER_TIMEOUT
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import load_fleet
 from libs.runtime import add_common_flags, run_daemon
@@ -29,7 +30,13 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         default=Path(os.environ.get("NODUS_FLEET", "examples/fleet.yaml")),
         help="fleet file that describes this machine (env NODUS_FLEET)",
     )
-    parser.add_argument("--heartbeat-seconds", type=float, default=5.0)
+    parser.add_argument(
+        "--heartbeat-seconds",
+        type=float,
+        default=HEARTBEAT_TIMEOUT_SECONDS / HEARTBEATS_PER_TIMEOUT,
+        help="seconds between heartbeats; the placer calls a node lost after "
+        f"{HEARTBEAT_TIMEOUT_SECONDS:g} s without one",
+    )
     parser.add_argument(
         "--socks-listen",
         default="127.0.0.1:1080",

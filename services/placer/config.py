@@ -1,75 +1,16 @@
-"""The placer's settings: beta access, the Relayed member limit, and the qualification table."""
+"""The placer's settings: its default config file, read into `libs.contracts.placer`."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
 
-import msgspec
-import yaml
-
-from libs.contracts.base import Record, convert
-from libs.contracts.errors import ErrorCode, NodusError
-from libs.contracts.jobs import MAX_MEMBERS, MIN_MEMBERS
+from libs.contracts.files import load_yaml_file
+from libs.contracts.placer import PlacerConfig
 
 DEFAULT_CONFIG = Path(__file__).with_name("default-config.yaml")
 
-# `offering` or `provider/offering`, `*` matching anything, joined by '+': one qualified pair.
-PairPattern = Annotated[
-    str, msgspec.Meta(pattern=r"^[a-z0-9*-]+(/[a-z0-9*-]+)?\+[a-z0-9*-]+(/[a-z0-9*-]+)?$")
-]
-
-
-class Qualified(Record):
-    """Offering combinations qualified per path (G21): every pair in a gang must match one."""
-
-    private: list[PairPattern] = []
-    direct: list[PairPattern] = []
-    relayed: list[PairPattern] = []
-
-
-class RequiredCapabilities(Record):
-    """What a member's agent must announce for a path (C6)."""
-
-    all: list[str] = []
-    private: list[str] = []
-    direct: list[str] = []
-    relayed: list[str] = []
-
-
-class PlacerConfig(Record):
-    # Orgs with access to the distributed beta (G1); "*" opens it to every org.
-    distributed_access: list[str] = []
-    # Relayed gangs have exactly this many members until multi-member Relayed is qualified (G2).
-    relayed_max_members: Annotated[int, msgspec.Meta(ge=MIN_MEMBERS, le=MAX_MEMBERS)] = 2
-    qualified: Qualified = msgspec.field(default_factory=Qualified)
-    required_capabilities: RequiredCapabilities = msgspec.field(
-        default_factory=RequiredCapabilities
-    )
-    master_port: Annotated[int, msgspec.Meta(ge=1024, le=65535)] = 29500
-    shim_path: str = "/opt/nodus/lib/libnodus-netshim.so"
-    heartbeat_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = 15.0
-    # Attempts (epochs and collision retries) before a gang is left Pending with the reasons.
-    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 8
-    # Jobs committed at once by one replica (their KV round trips overlap).
-    placement_concurrency: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16
-    # Another replica takes over a Pending job its accepting placer left for this long.
-    takeover_seconds: Annotated[float, msgspec.Meta(ge=0)] = 5.0
-
-    def has_access(self, org: str) -> bool:
-        return "*" in self.distributed_access or org in self.distributed_access
-
 
 def load_config(path: Path | None = None) -> PlacerConfig:
-    """Read the config YAML; every problem names the file and the field."""
-    path = path or DEFAULT_CONFIG
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise NodusError(ErrorCode.INVALID, f"placer config {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise NodusError(ErrorCode.INVALID, f"placer config {path}: {error}") from None
-    try:
-        return convert(raw or {}, PlacerConfig)
-    except msgspec.ValidationError as error:
-        raise NodusError(ErrorCode.INVALID, f"placer config {path}: {error}") from None
+    """Read the config YAML (the default one without a path); every problem names the file
+    and the field."""
+    return load_yaml_file(path or DEFAULT_CONFIG, PlacerConfig, "placer config", empty_ok=True)

@@ -16,7 +16,7 @@ from libs.contracts.bounds import RELATIVE_TO_DIRECT, derive
 from libs.contracts.errors import ErrorCode
 from libs.contracts.fleet import Inventory, NodeRecord
 from libs.contracts.jobs import Job, PathClass
-from services.placer.config import PlacerConfig
+from libs.contracts.placer import PlacerConfig
 
 PATH_ORDER = (PathClass.PRIVATE, PathClass.DIRECT, PathClass.RELAYED)
 MESH_NETWORK = ipaddress.IPv4Network("100.64.0.0/10")

@@ -41,12 +41,12 @@ from libs.contracts.jobs import (
     Phase,
     with_condition,
 )
+from libs.contracts.placer import PlacerConfig
 from libs.mesh import MeshIdentity
 from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.runtime.version import VERSION
 from services.placer import admission
 from services.placer.cluster import ClusterView, follow_cordons
-from services.placer.config import PlacerConfig
 from services.placer.environment import device_names, rank_environments
 from services.placer.planner import Exclusions, Plan, Planner, check_plan
 

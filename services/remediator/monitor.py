@@ -21,6 +21,7 @@ from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.api import NodeInfoReply, NodeInfoRequest
 from libs.contracts.base import now as utc_now
+from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS
 from libs.contracts.errors import NodusError
 from libs.contracts.fleet import NodeHealth
 from libs.contracts.remediation import Finding, SignalReport
@@ -47,7 +48,7 @@ class Monitor:
         reachability: bool = True,
         probe_timeout: float = 1.0,
         unreachable_after: int = 3,
-        heartbeat_timeout: float = 15.0,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT_SECONDS,
         blackholes: dict[str, Path] | None = None,
         clock: Callable[[], datetime] = utc_now,
     ) -> None:
@@ -217,7 +218,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-reachability", action="store_true", help="do not probe host reachability"
     )
-    parser.add_argument("--heartbeat-timeout", type=float, default=15.0)
+    parser.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_SECONDS)
 
 
 def machines_of(args: argparse.Namespace) -> tuple[dict[str, MachinePaths], dict[str, Path]]:

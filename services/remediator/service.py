@@ -63,7 +63,6 @@ class Remediator:
         alert_settings: AlertSettings | None = None,
         tick_seconds: float = 1.0,
         workers: int = 32,
-        heartbeat_timeout_seconds: float = 15.0,
     ) -> None:
         self.bus = bus
         self.provider = provider
@@ -72,7 +71,6 @@ class Remediator:
         self.replica = replica or f"remediator-{secrets.token_hex(3)}"
         self.clock = clock
         self.tick_seconds = tick_seconds
-        self.heartbeat_timeout = heartbeat_timeout_seconds
         self.queue = WorkQueue(self.reconcile, workers)
         self.store = Store(bus, self.queue.mark)
         self.slots = Slots(self.store, self.settings)

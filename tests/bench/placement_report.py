@@ -16,7 +16,7 @@ from typing import Any
 
 from libs.contracts.fleet import NodeRecord
 from libs.contracts.jobs import Job
-from services.placer.config import PlacerConfig
+from libs.contracts.placer import PlacerConfig
 from services.placer.planner import Candidates, Exclusions, Planner
 
 # A client's default apply timeout (libs.client.Client.apply): replies slower than this would

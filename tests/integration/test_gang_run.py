@@ -19,10 +19,10 @@ from libs.client.client import Client
 from libs.contracts import names
 from libs.contracts.jobs import ConditionType, Job, PathClass, Phase
 from libs.contracts.lifecycle import ProbeRecord
+from libs.contracts.placer import PlacerConfig
 from libs.netshim import SHIM_PATH, ensure_built
 from services.agent.agent import Agent
 from services.agent.inventory import network_namespace
-from services.placer.config import PlacerConfig
 from services.prober.service import Prober
 from tests.conftest import StartPlacer, eventually
 from tests.factories import job, machine, node_record, register

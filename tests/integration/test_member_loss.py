@@ -15,8 +15,8 @@ from libs.contracts.epochs import Epoch, JoinKeyGrant
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.jobs import ConditionType, Phase
 from libs.contracts.lifecycle import RankStatus
+from libs.contracts.placer import PlacerConfig
 from services.agent.agent import Agent
-from services.placer.config import PlacerConfig
 from services.prober.service import Prober
 from tests.conftest import StartPlacer, eventually
 from tests.factories import job, machine

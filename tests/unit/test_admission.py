@@ -14,8 +14,9 @@ from libs.client.client import parse_job
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeRecord
 from libs.contracts.jobs import Job
+from libs.contracts.placer import PlacerConfig
 from services.placer.admission import check_feasible, check_static
-from services.placer.config import PlacerConfig, load_config
+from services.placer.config import load_config
 from services.placer.planner import Planner
 from tests.factories import job, machine, node_record
 

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from libs.contracts.fleet import Inventory, NodeRecord
 from libs.contracts.jobs import Job, PathClass
-from services.placer.config import PlacerConfig, load_config
+from libs.contracts.placer import PlacerConfig
+from services.placer.config import load_config
 from services.placer.environment import rank_environments
 from services.placer.planner import Exclusions, Planner, check_plan
 from tests.factories import job, machine, node_record

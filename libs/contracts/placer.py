@@ -1,0 +1,57 @@
+"""The placer's config file (`nodus placer --config`): beta access, the Relayed member limit,
+the qualification table, required capabilities, timings."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from libs.contracts.base import Record
+from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS
+from libs.contracts.jobs import MAX_MEMBERS, MIN_MEMBERS
+
+# `offering` or `provider/offering`, `*` matching anything, joined by '+': one qualified pair.
+PairPattern = Annotated[
+    str, msgspec.Meta(pattern=r"^[a-z0-9*-]+(/[a-z0-9*-]+)?\+[a-z0-9*-]+(/[a-z0-9*-]+)?$")
+]
+
+
+class Qualified(Record):
+    """Offering combinations qualified per path (G21): every pair in a gang must match one."""
+
+    private: list[PairPattern] = []
+    direct: list[PairPattern] = []
+    relayed: list[PairPattern] = []
+
+
+class RequiredCapabilities(Record):
+    """What a member's agent must announce for a path (C6)."""
+
+    all: list[str] = []
+    private: list[str] = []
+    direct: list[str] = []
+    relayed: list[str] = []
+
+
+class PlacerConfig(Record):
+    # Orgs with access to the distributed beta (G1); "*" opens it to every org.
+    distributed_access: list[str] = []
+    # Relayed gangs have exactly this many members until multi-member Relayed is qualified (G2).
+    relayed_max_members: Annotated[int, msgspec.Meta(ge=MIN_MEMBERS, le=MAX_MEMBERS)] = 2
+    qualified: Qualified = msgspec.field(default_factory=Qualified)
+    required_capabilities: RequiredCapabilities = msgspec.field(
+        default_factory=RequiredCapabilities
+    )
+    master_port: Annotated[int, msgspec.Meta(ge=1024, le=65535)] = 29500
+    shim_path: str = "/opt/nodus/lib/libnodus-netshim.so"
+    heartbeat_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = HEARTBEAT_TIMEOUT_SECONDS
+    # Attempts (epochs and collision retries) before a gang is left Pending with the reasons.
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 8
+    # Jobs committed at once by one replica (their KV round trips overlap).
+    placement_concurrency: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16
+    # Another replica takes over a Pending job its accepting placer left for this long.
+    takeover_seconds: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+
+    def has_access(self, org: str) -> bool:
+        return "*" in self.distributed_access or org in self.distributed_access
