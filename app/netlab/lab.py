@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from app.netlab.topology import Topology, build_commands, nat_rules
+from app.netlab.topology import CORE, Topology, build_commands, nat_rules
 from libs.contracts.errors import ErrorCode, NodusError
 
 log = logging.getLogger("nodus.netlab")
@@ -57,6 +57,17 @@ def _existing_namespaces() -> set[str]:
     return {line.split()[0] for line in done.stdout.splitlines() if line.strip()}
 
 
+def _routed_core() -> bool:
+    done = subprocess.run(
+        ["ip", "route", "show", str(CORE)],
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
+        check=False,
+    )
+    return bool(done.stdout.strip())
+
+
 def _kill_processes_in(namespace: str) -> None:
     """SIGKILL what still runs in `namespace` (a crashed run's agents and programs)."""
     done = subprocess.run(
@@ -95,6 +106,12 @@ class NetLab:
                 ErrorCode.CONFLICT,
                 f"network lab: namespaces {', '.join(clashing)} exist and are not this lab's "
                 "(another lab running, or made by hand); delete them with `ip netns del`",
+            )
+        if t.host_link is not None and _routed_core():
+            raise NodusError(
+                ErrorCode.CONFLICT,
+                f"network lab: this host routes {CORE} already: another lab that the host "
+                "reaches is up (stop it first; two cannot share the host's route)",
             )
         self._remember()
         try:

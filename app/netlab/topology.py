@@ -66,7 +66,9 @@ class Topology:
     addresses: dict[str, ipaddress.IPv4Address]  # machine name -> eth0
     lans: tuple[Lan, ...]
     private_networks: tuple[PrivateNetwork, ...]
-    host_link: str  # the host's end of the link to the control namespace
+    # The host's end of the link to the control namespace (the CLI reaches the bus through
+    # it); None for a lab the host need not reach. One lab at a time can have it.
+    host_link: str | None
     inet: str = field(default="")
     control: str = field(default="")
 
@@ -180,7 +182,7 @@ def _private_networks(fleet: Fleet, prefix: str) -> tuple[PrivateNetwork, ...]:
     return tuple(networks)
 
 
-def plan(fleet: Fleet, prefix: str = "nodus-") -> Topology:
+def plan(fleet: Fleet, prefix: str = "nodus-", reach_from_host: bool = True) -> Topology:
     """The lab for `fleet`; a fleet the lab cannot build is refused with what to change."""
     if len(prefix) > 12:
         raise _invalid(f"prefix {prefix!r} is longer than 12 characters")
@@ -199,7 +201,7 @@ def plan(fleet: Fleet, prefix: str = "nodus-") -> Topology:
         addresses=addresses,
         lans=lans,
         private_networks=privates,
-        host_link=f"{prefix}host"[:15],
+        host_link=f"{prefix}host"[:15] if reach_from_host else None,
         inet=f"{prefix}inet",
         control=f"{prefix}control",
     )
@@ -250,16 +252,48 @@ def forwarding(namespace: str) -> list[str]:
 
 
 def nat_rules(lan: Lan) -> str:
-    """The router's masquerade: what leaves for the internet from a NAT LAN takes its public
-    address (Linux keeps the source port when it can, as most cloud NATs do)."""
+    """The router's NAT, the kind most clouds and homes have: what leaves for the internet
+    from the LAN takes the router's public address (the source port kept when it can), and
+    what arrives is let in only as the answer to a flow that went out (port-restricted cone).
+    Dropping the rest before conntrack confirms it keeps an early datagram of a peer that is
+    punching a hole from taking the mapping the outgoing flow needs."""
     return (
         "table ip nodus_nat {\n"
+        "  chain prerouting {\n"
+        "    type filter hook prerouting priority filter; policy accept;\n"
+        '    iifname "wan" ct state new drop\n'
+        "  }\n"
         "  chain postrouting {\n"
         "    type nat hook postrouting priority srcnat; policy accept;\n"
         f'    ip saddr {lan.subnet} oifname "wan" masquerade\n'
         "  }\n"
         "}\n"
     )
+
+
+def _host_link(name: str, control: str) -> list[list[str]]:
+    """The host's way to the control namespace; the route to the core refuses a second lab's."""
+    return [
+        [
+            "ip",
+            "link",
+            "add",
+            "name",
+            name,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "host",
+            "netns",
+            control,
+        ],
+        ["ip", "addr", "add", f"{HOST_ADDRESS}/{HOST_LINK.prefixlen}", "dev", name],
+        ["ip", "link", "set", name, "up"],
+        _ip(control, "addr", "add", f"{CONTROL_HOST_SIDE}/{HOST_LINK.prefixlen}", "dev", "host"),
+        _ip(control, "link", "set", "host", "up"),
+        ["ip", "route", "add", str(CORE), "via", str(CONTROL_HOST_SIDE), "dev", name],
+    ]
 
 
 def build_commands(topology: Topology) -> list[list[str]]:
@@ -277,27 +311,8 @@ def build_commands(topology: Topology) -> list[list[str]]:
     commands.append(_ip(t.inet, "link", "set", "control", "master", "core"))
     commands.append(_ip(t.control, "addr", "add", f"{CONTROL_ADDRESS}/{core}", "dev", "core"))
     commands.append(_ip(t.control, "route", "add", str(LAB_RANGE), "via", str(INET_ADDRESS)))
-    commands += [
-        [
-            "ip",
-            "link",
-            "add",
-            "name",
-            t.host_link,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "host",
-            "netns",
-            t.control,
-        ],
-        ["ip", "addr", "add", f"{HOST_ADDRESS}/{HOST_LINK.prefixlen}", "dev", t.host_link],
-        ["ip", "link", "set", t.host_link, "up"],
-        _ip(t.control, "addr", "add", f"{CONTROL_HOST_SIDE}/{HOST_LINK.prefixlen}", "dev", "host"),
-        _ip(t.control, "link", "set", "host", "up"),
-        ["ip", "route", "add", str(CORE), "via", str(CONTROL_HOST_SIDE), "dev", t.host_link],
-    ]
+    if t.host_link is not None:
+        commands += _host_link(t.host_link, t.control)
     for lan in t.lans:
         commands += _veth(lan.router, "wan", t.inet, f"r{t.lans.index(lan)}")
         commands.append(_ip(t.inet, "link", "set", f"r{t.lans.index(lan)}", "master", "core"))

@@ -26,6 +26,9 @@ WANTED=(
   # The network-namespace lab (app/netlab, `nodus up --netns`): NAT routers masquerade with
   # nftables; members' namespaces filter UDP in the fallback tests.
   "nftables:nft"
+  # The Direct path: the agent forgets the ICE checks' conntrack entries before WireGuard
+  # takes their port over (services/agent/wgport.py).
+  "conntrack:conntrack"
 )
 
 missing=()

@@ -141,7 +141,7 @@ def test_a_crashed_lab_is_cleaned_at_the_next_start_and_nothing_is_left_after_it
     again.destroy()
     assert not set(topology.namespaces) & _existing_namespaces()
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
-    assert topology.host_link not in links
+    assert topology.host_link is not None and topology.host_link not in links
     assert not state.exists()
 
 

@@ -94,7 +94,10 @@ with socket.create_connection(("100.64.0.2", 7000), timeout=10) as s:
 
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[NetLab]:
-    netlab = NetLab(plan(FLEET, prefix=f"nw{secrets.token_hex(2)}-"), tmp_path / "lab.json")
+    netlab = NetLab(
+        plan(FLEET, prefix=f"nw{secrets.token_hex(2)}-", reach_from_host=False),
+        tmp_path / "lab.json",
+    )
     netlab.create()
     try:
         yield netlab

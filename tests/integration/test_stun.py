@@ -104,7 +104,10 @@ def lab(tmp_path: Path) -> Iterator[NetLab]:
     reason = missing_requirements()
     if reason is not None:
         pytest.skip(reason)
-    netlab = NetLab(plan(FLEET, prefix=f"ns{secrets.token_hex(2)}-"), tmp_path / "lab.json")
+    netlab = NetLab(
+        plan(FLEET, prefix=f"ns{secrets.token_hex(2)}-", reach_from_host=False),
+        tmp_path / "lab.json",
+    )
     netlab.create()
     try:
         yield netlab
