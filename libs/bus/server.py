@@ -38,10 +38,18 @@ class NatsServer:
     """One nats-server process with JetStream on 127.0.0.1; stopped by `stop()` or at exit."""
 
     def __init__(
-        self, store_dir: Path, port: int = 0, host: str = "127.0.0.1", jetstream: bool = True
+        self,
+        store_dir: Path,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        jetstream: bool = True,
+        launcher: list[str] | None = None,
     ) -> None:
         self.store_dir = store_dir
         self.jetstream = jetstream
+        # What the server is run under: `ip netns exec <namespace>` for the network lab's
+        # control namespace (there `port` must be given: it is free in a fresh namespace).
+        self.launcher = launcher or []
         self.port = port or free_port(host)
         self.host = host
         self.process: subprocess.Popen[bytes] | None = None
@@ -55,6 +63,7 @@ class NatsServer:
         log = open(self.store_dir / "nats-server.log", "ab")
         self.process = subprocess.Popen(
             [
+                *self.launcher,
                 nats_server_binary(),
                 *("-a", self.host, "-p", str(self.port)),
                 *(("-js", "-sd", str(self.store_dir)) if self.jetstream else ()),

@@ -74,6 +74,7 @@ from libs.contracts.lifecycle import (
 )
 from libs.contracts.placer import PlacerConfig, Qualified, RequiredCapabilities
 from libs.contracts.relay import (
+    IceOffer,
     Member,
     RelayRecord,
     UsageRecord,
@@ -102,6 +103,7 @@ __all__ = [
     "Fleet",
     "GangMember",
     "GangStatus",
+    "IceOffer",
     "Image",
     "Inventory",
     "Job",

@@ -28,6 +28,8 @@ BUCKET_MEMBERS = "nodus-members"  # org.name.epoch.node -> Member (the node's Wi
 BUCKET_RELAYS = "nodus-relays"  # relay name -> RelayRecord
 BUCKET_PROBES = "nodus-probes"  # org.name.epoch -> ProbeRecord
 BUCKET_RANKS = "nodus-ranks"  # org.name.epoch.rank -> RankStatus
+# org.name.epoch.node.peer -> IceOffer: a Direct member's ICE offer to one peer (G11)
+BUCKET_ICE = "nodus-ice"
 
 ALL_BUCKETS = [
     BUCKET_JOBS,
@@ -43,6 +45,7 @@ ALL_BUCKETS = [
     BUCKET_RELAYS,
     BUCKET_PROBES,
     BUCKET_RANKS,
+    BUCKET_ICE,
 ]
 
 # Usage stream: bytes members sent through relays, de-duplicated by message id (G17).
@@ -56,6 +59,12 @@ def usage_subject(relay: str, gang: str) -> str:
 
 def member_key(gang: str, epoch: int, node: str) -> str:
     return f"{gang}.{epoch}.{node}"
+
+
+def ice_key(gang: str, epoch: int, node: str, peer: str) -> str:
+    """The offer `node` makes `peer` in one epoch: epoch-scoped, so a stale one is never read
+    for a new epoch (C2)."""
+    return f"{gang}.{epoch}.{node}.{peer}"
 
 
 def node_request(node: str, verb: str) -> str:

@@ -20,6 +20,22 @@ class Member(Record):
     joined_time: datetime
 
 
+class IceOffer(Record):
+    """What a Direct member tells one peer for ICE (G11): its credentials and candidates (SDP
+    candidate lines), then, once its checks found a path, `connected`, so the peer knows the
+    checks' socket may close."""
+
+    gang: str
+    epoch: int
+    node: Name
+    peer: Name
+    ufrag: str
+    pwd: str
+    candidates: list[str]
+    connected: bool = False
+    failed: str = ""  # why this side's checks found no path, when they did not
+
+
 class RelayRecord(Record):
     """A relay announces itself (C6): where members dial it and the key they prove theirs to."""
 
@@ -30,6 +46,8 @@ class RelayRecord(Record):
     version: str
     capabilities: list[str]
     heartbeat_time: datetime
+    # host:port of the relay's STUN on UDP (G11: members learn their NAT's address); "" if off.
+    stun_address: str = ""
 
 
 class UsageRecord(Record):

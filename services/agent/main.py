@@ -74,6 +74,7 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
             names.BUCKET_RELAYS,
             names.BUCKET_JOBS,
             names.BUCKET_RANKS,
+            names.BUCKET_ICE,
         ],
     )
     agent = Agent(

@@ -57,6 +57,12 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         "usage.journal, else /var/lib/nodus/relay/usage.journal)",
     )
     parser.add_argument(
+        "--stun-port",
+        type=int,
+        help="answer STUN on this UDP port of the listen host, so Direct members behind NAT "
+        "learn their public address (ICE, G11); off when not given",
+    )
+    parser.add_argument(
         "--no-rate-limit", action="store_true", help="benchmarks only: no per-gang cap"
     )
 
@@ -103,6 +109,7 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
             rate_limit=not args.no_rate_limit,
             advertise=args.advertise,
             usage_journal=args.usage_journal,
+            stun_port=args.stun_port,
         )
     except (OSError, ValueError) as error:
         await bus.close()

@@ -55,6 +55,7 @@ from services.relay.metrics import (
     SESSIONS,
 )
 from services.relay.reading import read_frames
+from services.relay.stun import StunServer
 
 log = logging.getLogger("nodus.relay")
 READ_SIZE = 256 * 1024
@@ -94,6 +95,7 @@ class Relay:
         rate_limit: bool = True,
         advertise: str | None = None,
         usage_journal: Path | None = None,
+        stun_port: int | None = None,
     ) -> None:
         self.bus = bus
         self.name = name
@@ -104,6 +106,8 @@ class Relay:
         self.rate_limit = rate_limit
         self.advertise = advertise
         self.membership = Membership(bus)
+        # STUN for Direct members behind NAT (G11), on UDP beside the members' TCP port.
+        self.stun = StunServer(listen[0], stun_port) if stun_port is not None else None
         self.meter = UsageMeter(bus, name, usage_journal)
         self.sessions: dict[bytes, MemberSession] = {}
         self.mesh = Mesh(name, region, mesh_key, mesh_with, self)
@@ -118,6 +122,13 @@ class Relay:
         host, port = self.advertise or self.listen[0], self.listen[1]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
+    @property
+    def stun_address(self) -> str:
+        if self.stun is None:
+            return ""
+        host = self.advertise or self.listen[0]
+        return f"[{host}]:{self.stun.port}" if ":" in host else f"{host}:{self.stun.port}"
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -130,6 +141,8 @@ class Relay:
         )
         if self.listen[1] == 0:
             self.listen = (self.listen[0], self.server.sockets[0].getsockname()[1])
+        if self.stun is not None:
+            await self.stun.start()
         self._tasks.spawn(self.meter.run(), name="usage meter")
         self._tasks.spawn(self._announce(), name="announce")
         self._tasks.spawn(self._sweep_silent(), name="sweep silent members")
@@ -142,6 +155,8 @@ class Relay:
         for session in list(self.sessions.values()):
             session.conn.close()
         self.mesh.close()
+        if self.stun is not None:
+            await self.stun.stop()
         await self._tasks.close()
         await self._handlers.close()
         await self.meter.flush()
@@ -158,6 +173,7 @@ class Relay:
                 version=VERSION,
                 capabilities=["relay-v1", "mesh-v1"],
                 heartbeat_time=now(),
+                stun_address=self.stun_address,
             )
             try:
                 await self.relays.put(self.name, record)
