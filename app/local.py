@@ -176,6 +176,8 @@ class LocalSystem:
                 str(self.heartbeat_seconds),
                 "--socks-listen",
                 f"127.0.0.1:{socks_port}",
+                # Every agent here shares this host's network namespace: one nodus0 at most.
+                "--no-nodus0",
             ],
             metrics=True,
         )

@@ -28,6 +28,7 @@ from libs.mesh import verify_join_key
 from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.runtime.version import VERSION as AGENT_VERSION
 from libs.wg import generate_private_key, key_to_base64, public_key
+from services.agent.direct import DirectMember
 from services.agent.gangwork import GangWork
 from services.agent.inventory import capabilities_of, inventory_of
 from services.agent.member import RelayedMember
@@ -53,11 +54,15 @@ class Agent:
         socks_endpoint: str = "",
         tunnel_buffer_limit_bytes: int = 64 << 20,
         state_dir: Path | None = None,
+        nodus0: bool = False,
     ) -> None:
         self.bus = bus
         self.machine = machine
         self.node = machine.name
         self.heartbeat_seconds = heartbeat_seconds
+        # Direct epochs get a nodus0 here: a VM's agent with its own network namespace (a
+        # machine, or a machine of the lab); agents that share one namespace cannot.
+        self.nodus0 = nodus0 and machine.offering == "vm"
         self.boot_id = str(uuid.uuid4())  # a simulated machine boots when its agent starts
         self.socks_endpoint = socks_endpoint or "127.0.0.1:1080"
         self.tunnel_buffer_limit_bytes = tunnel_buffer_limit_bytes
@@ -70,6 +75,7 @@ class Agent:
         self.guard = EpochGuard()  # the newest epoch joined per gang (C2)
         self.members = bus.bucket(names.BUCKET_MEMBERS, Member)
         self.relayed: dict[str, RelayedMember] = {}  # joinkey key -> the Relayed dataplane
+        self.direct: dict[str, DirectMember] = {}  # joinkey key -> the Direct dataplane
         self._wg_keys: dict[str, bytes] = {}  # "gang.epoch" -> this node's WireGuard key
         self._starting = TaskSet("agent dataplane start", log)
         self._tasks: list[asyncio.Task[None]] = []
@@ -124,9 +130,11 @@ class Agent:
         await cancel_and_wait(self._tasks)
         await self._starting.close()
         await self.gangs.close()
-        for runtime in self.relayed.values():
+        dataplanes: list[RelayedMember | DirectMember] = [*self.relayed.values()]
+        for runtime in [*dataplanes, *self.direct.values()]:
             await runtime.stop()
         self.relayed.clear()
+        self.direct.clear()
 
     async def reboot(self, _: RebootRequest) -> RebootReply:
         """The simulated machine boots again (issue 6): a new boot id, registered again."""
@@ -169,9 +177,13 @@ class Agent:
                 left = self.joined.pop(change.key, None)
                 if left is not None:  # the epoch is fenced or deleted: its ranks stop (G9)
                     await self.gangs.stop_epoch(left.gang, left.epoch)
-                runtime = self.relayed.pop(change.key, None)
-                if runtime is not None:
-                    await runtime.stop()
+                gone: list[RelayedMember | DirectMember | None] = [
+                    self.relayed.pop(change.key, None),
+                    self.direct.pop(change.key, None),
+                ]
+                for runtime in gone:
+                    if runtime is not None:
+                        await runtime.stop()
                 if left:
                     log.info("left %s epoch %d", left.gang, left.epoch)
             else:
@@ -189,17 +201,30 @@ class Agent:
             JOINED.labels(self.node).set(len(self.joined))
 
     async def _start_dataplane(self, key: str, joined: JoinedEpoch) -> None:
-        """On the Relayed path: the tunnel through the relays and the SOCKS5 entry (G14)."""
+        """On the Relayed path: the tunnel through the relays and the SOCKS5 entry (G14); on
+        the Direct path: nodus0 and ICE with every peer (G7, G11)."""
         stored = await self.epochs.get(names.epoch_key(joined.gang, joined.epoch))
-        if stored is None or stored.value.path is not PathClass.RELAYED:
+        if stored is None:
             return
         member = next(m for m in stored.value.members if m.node == self.node)
+        wg_private = self._wg_keys[f"{joined.gang}.{joined.epoch}"]
+        if stored.value.path is PathClass.DIRECT and self.nodus0:
+            direct = DirectMember(self.bus, stored.value, member, wg_private)
+            try:
+                await direct.start()
+            except Exception:
+                await direct.stop()
+                raise
+            self.direct[key] = direct
+            return
+        if stored.value.path is not PathClass.RELAYED:
+            return
         host, _, port = self.socks_endpoint.rpartition(":")
         runtime = RelayedMember(
             self.bus,
             stored.value,
             member,
-            self._wg_keys[f"{joined.gang}.{joined.epoch}"],
+            wg_private,
             (host, int(port)),
         )
         try:

@@ -49,6 +49,13 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         help="memory one Relayed member's tunnel may buffer; plans needing more are refused (C3)",
     )
     parser.add_argument(
+        "--nodus0",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a VM, create the nodus0 WireGuard device for Direct gangs (needs root and a "
+        "network namespace of this machine's own; `nodus up` without --netns turns it off)",
+    )
+    parser.add_argument(
         "--state-dir", type=Path, help="this machine's files (STATE_DIR/machines/NAME)"
     )
 
@@ -84,6 +91,7 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         args.socks_listen,
         args.tunnel_buffer_mib << 20,
         state_dir=args.state_dir,
+        nodus0=args.nodus0,
     )
     try:
         await agent.start()
