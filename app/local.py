@@ -1,5 +1,9 @@
 """The whole system on this machine (`nodus up`, `nodus demo`, end-to-end tests): a real
-nats-server with JetStream, the services, and one agent per fleet machine, each a process."""
+nats-server with JetStream, the services, and one agent per fleet machine, each a process.
+
+With `netns`, each machine is a network namespace of the lab (app/netlab) with its agent in
+it, and the bus, relays and services run in the lab's control namespace: VMs get `nodus0`
+and the Direct path, machines behind NAT punch through it."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import libs
+from app.netlab import CONTROL_ADDRESS, NetLab, in_namespace, plan
 from libs.bus import Bus
 from libs.bus.server import NatsServer, free_port
 from libs.contracts import names
@@ -50,9 +55,11 @@ class LocalSystem:
     # nodus_agent_tunnel_streams); the ports by child name in `metrics_ports`.
     metrics: bool = False
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    netns: bool = False
     nats: NatsServer | None = None
     children: list[Child] = field(default_factory=list)
     fleet: Fleet | None = None
+    lab: NetLab | None = None
 
     @property
     def url(self) -> str:
@@ -62,8 +69,17 @@ class LocalSystem:
     def machine_dir(self, name: str) -> Path:
         return self.state_dir / "machines" / name
 
+    def _launcher(self, name: str) -> list[str]:
+        """What a child runs under: in the lab, an agent in its machine's namespace and every
+        other daemon in the control namespace; nothing without the lab."""
+        if self.lab is None:
+            return []
+        if name.startswith("agent-"):
+            return self.lab.machine_argv(name.removeprefix("agent-"), [])
+        return in_namespace(self.lab.topology.control, [])
+
     def _spawn(self, name: str, args: list[str], metrics: bool = False) -> Child:
-        if metrics and self.metrics:
+        if metrics and self.metrics and self.lab is None:
             port = self.metrics_ports.setdefault(name, free_port())
             args = [*args, "--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
         logs = self.state_dir / "logs"
@@ -77,7 +93,7 @@ class LocalSystem:
         }
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "app", *args],
+                [*self._launcher(name), sys.executable, "-m", "app", *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -136,10 +152,13 @@ class LocalSystem:
         if not key_file.exists():
             key_file.write_bytes(os.urandom(32).hex().encode())
             key_file.chmod(0o600)
-        ports = [free_port() for _ in range(self.relays)]
+        # In the lab the control namespace is fresh: fixed ports, and STUN for Direct members.
+        host = str(CONTROL_ADDRESS) if self.lab is not None else "127.0.0.1"
+        ports = [4430 + i if self.lab else free_port() for i in range(self.relays)]
         regions = ["eu-central", "us-east", "ap-south", "us-west"]
         for index, port in enumerate(ports):
-            others = ",".join(f"127.0.0.1:{p}" for p in ports if p != port)
+            others = ",".join(f"{host}:{p}" for p in ports if p != port)
+            stun = ["--stun-port", str(3478 + index)] if self.lab is not None else []
             self._spawn(
                 f"relay-{index}",
                 [
@@ -149,13 +168,14 @@ class LocalSystem:
                     "--region",
                     regions[index % len(regions)],
                     "--listen",
-                    f"127.0.0.1:{port}",
+                    f"{host}:{port}",
                     "--mesh-with",
                     others,
                     "--mesh-key-file",
                     str(key_file.resolve()),
                     "--usage-journal",
                     str((self.state_dir / "relays" / f"relay-{index}.usage").resolve()),
+                    *stun,
                     *self.relay_args,
                 ],
                 metrics=True,
@@ -176,8 +196,8 @@ class LocalSystem:
                 str(self.heartbeat_seconds),
                 "--socks-listen",
                 f"127.0.0.1:{socks_port}",
-                # Every agent here shares this host's network namespace: one nodus0 at most.
-                "--no-nodus0",
+                # Agents that share this host's network namespace cannot each have a nodus0.
+                *([] if self.lab is not None else ["--no-nodus0"]),
             ],
             metrics=True,
         )
@@ -218,12 +238,26 @@ class LocalSystem:
     async def start(self, timeout: float = 60.0) -> None:
         self.fleet = load_fleet(self.fleet_path)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        if self.nats_port and _port_taken(self.nats_port):
+        if not self.netns and self.nats_port and _port_taken(self.nats_port):
             raise NodusError(
                 ErrorCode.INVALID,
                 f"port {self.nats_port} is taken (another `nodus up`?); pass --nats-port N",
             )
-        self.nats = NatsServer(self.state_dir / "nats", self.nats_port).start()
+        if self.netns:
+            self.lab = NetLab(plan(self.fleet), self.state_dir / "netlab.json")
+            self.lab.create()
+            try:
+                self.nats = NatsServer(
+                    self.state_dir / "nats",
+                    self.nats_port or 4222,
+                    host=str(CONTROL_ADDRESS),
+                    launcher=in_namespace(self.lab.topology.control, []),
+                ).start()
+            except BaseException:
+                self.lab.destroy()
+                raise
+        else:
+            self.nats = NatsServer(self.state_dir / "nats", self.nats_port).start()
         # The placer creates the journal; agents wait for it rather than racing to create it.
         bus = await Bus.open(self.url, name="nodus-up", buckets=names.ALL_BUCKETS, streams=True)
         try:
@@ -291,6 +325,9 @@ class LocalSystem:
         self.children.clear()
         if self.nats:
             self.nats.stop()
+        if self.lab is not None:
+            self.lab.destroy()  # and what the ranks left running in the machines
+            self.lab = None
 
 
 async def _count_services(bus: Bus, name: str) -> int:

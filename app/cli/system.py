@@ -19,6 +19,13 @@ def _up_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-port", type=int, default=4222, help="NATS port (default 4222)")
     parser.add_argument("--state-dir", type=Path, default=Path(".nodus"), help="default .nodus")
     parser.add_argument("--placers", type=int, default=1, help="placer replicas (default 1)")
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="each machine in a network namespace of its own, providers' LANs, NAT and "
+        "private networks as the fleet says (root; e.g. examples/fleet-netns.yaml): VMs get "
+        "nodus0 and the Direct path",
+    )
 
 
 async def _up(args: argparse.Namespace) -> int:
@@ -29,6 +36,7 @@ async def _up(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         nats_port=args.nats_port,
         placers=args.placers,
+        netns=args.netns,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

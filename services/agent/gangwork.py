@@ -4,6 +4,7 @@ the shim self-test with the image's launcher (G10.3), launch and stop ranks, han
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -36,6 +37,23 @@ from services.prober.member import ProbeServer
 
 log = logging.getLogger("nodus.agent.gang")
 REPO = str(Path(__file__).resolve().parents[2])  # where `services.prober.member` imports from
+
+
+# A Direct member's address is nodus0's: it appears once the agent has made the device,
+# which may be a moment after the prober saw the member join.
+ADDRESS_WAIT = 10.0
+
+
+async def _start_when_address_is_up(server: ProbeServer, wait: float) -> None:
+    deadline = asyncio.get_running_loop().time() + wait
+    while True:
+        try:
+            await server.start()
+            return
+        except OSError as error:
+            if error.errno != errno.EADDRNOTAVAIL or asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
 
 
 class GangWork:
@@ -86,7 +104,7 @@ class GangWork:
         if key not in self.servers:
             server = ProbeServer(member.address)
             try:
-                await server.start()
+                await _start_when_address_is_up(server, ADDRESS_WAIT)
             except OSError as error:  # the probe fails honestly; the agent is fine
                 raise NodusError(
                     ErrorCode.ADDRESS_UNAVAILABLE,
