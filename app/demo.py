@@ -1,15 +1,21 @@
 """`nodus demo`: the system up on the embedded fleet, the example jobs applied, their gangs
-placed (one per path class) and the refusals shown with their reasons; then a clean stop."""
+placed (one per path class) and the refusals shown with their reasons; then a clean stop.
+
+As root on a machine with what the network lab needs, every machine is a network namespace
+(examples/fleet-netns.yaml) and the Direct gang runs too, over nodus0; otherwise the demo says
+why not and shows it placed only."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 from app.local import REPO, LocalSystem
+from app.netlab import missing_requirements
 from app.output import jsonpath, table
 from libs.bus.server import free_port
 from libs.client.client import Client, job_document, load_jobs
@@ -17,6 +23,7 @@ from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.jobs import Job, Phase
 
 JOBS_DIR = REPO / "examples" / "jobs"
+NETNS_FLEET = REPO / "examples" / "fleet-netns.yaml"
 SHOWN_ENV = (
     "NODUS_GANG_TRANSPORT",
     "MASTER_ADDR",
@@ -50,26 +57,52 @@ async def run_demo(state_dir: Path | None = None) -> int:
         return await _run_demo(Path(state))
 
 
+def lab_unavailable() -> str | None:
+    """Why the demo cannot run its machines in network namespaces here, or None."""
+    reason = missing_requirements()
+    if reason is None:
+        absent = [t for t in ("wireguard-go", "conntrack") if shutil.which(t) is None]
+        reason = f"the Direct path needs {', '.join(absent)}" if absent else None
+    return reason
+
+
 async def _run_demo(state: Path) -> int:
-    system = LocalSystem(
-        state_dir=state, nats_port=free_port(), heartbeat_seconds=1.0, probe_seconds=2.0
-    )
-    say(
-        "== nodus up: nats-server (JetStream), placer, prober, two meshed relays, "
-        "one agent per machine of examples/fleet.yaml"
-    )
+    skipped = lab_unavailable()
+    if skipped is None:
+        system = LocalSystem(
+            fleet_path=NETNS_FLEET,
+            state_dir=state,
+            nats_port=4222,
+            heartbeat_seconds=1.0,
+            probe_seconds=2.0,
+            netns=True,
+        )
+        say(
+            "== nodus up --netns: every machine of examples/fleet-netns.yaml in a network "
+            "namespace of its own (providers' LANs, NAT); nats-server (JetStream), placer, "
+            "prober and two meshed relays in the lab's control namespace"
+        )
+    else:
+        system = LocalSystem(
+            state_dir=state, nats_port=free_port(), heartbeat_seconds=1.0, probe_seconds=2.0
+        )
+        say(
+            "== nodus up: nats-server (JetStream), placer, prober, two meshed relays, "
+            "one agent per machine of examples/fleet.yaml"
+        )
+        say(f"# the Direct gang will be shown placed only: {skipped}")
     await system.start()
     say(f"NODUS_NATS_URL={system.url}")
     client = await Client.connect(system.url)
     try:
-        return await _run(client)
+        return await _run(client, run_direct=skipped is None)
     finally:
         await client.close()
         system.stop()
         say("== stopped everything")
 
 
-async def _run(client: Client) -> int:
+async def _run(client: Client, run_direct: bool) -> int:
     nodes = await client.list_nodes()
     say(f"== {len(nodes)} machines registered")
     placed: list[Job] = []
@@ -126,21 +159,23 @@ async def _run(client: Client) -> int:
         f"\n== {len(results)} gangs placed ({', '.join(sorted(transports))}), {len(refused)} jobs refused"
     )
     for job in results:
-        if job.status.gang and job.status.gang.transport.value == "direct":
-            # The Direct path runs WireGuard on a nodus0 device per machine; the machines of
-            # `nodus up` share this host's network namespace, so it is shown placed only.
+        if job.status.gang and job.status.gang.transport.value == "direct" and not run_direct:
+            # The Direct path runs WireGuard on a nodus0 device per machine; without the lab
+            # the machines share this host's network namespace, so it is shown placed only.
             await client.delete(job.metadata.name, job.metadata.org)
             say(
                 f"$ nodus delete job {job.metadata.name}   # Direct needs a nodus0 device per machine"
             )
+    ran = []
     for job in results:
-        if not job.status.gang or job.status.gang.transport.value == "direct":
+        if not job.status.gang or (job.status.gang.transport.value == "direct" and not run_direct):
             continue
+        ran.append(job.status.gang.transport.value)
         unexpected += await _run_to_the_end(client, job)
     if unexpected:
         say("\nDEMO FAILED: " + "; ".join(unexpected))
         return 1
-    say("\n== the workload ran on the private and the relayed gang, verified on every rank")
+    say(f"\n== the workload ran on the {', the '.join(sorted(ran))} gang, verified on every rank")
     return 0
 
 

@@ -244,7 +244,7 @@ class LocalSystem:
                 f"port {self.nats_port} is taken (another `nodus up`?); pass --nats-port N",
             )
         if self.netns:
-            self.lab = NetLab(plan(self.fleet), self.state_dir / "netlab.json")
+            self.lab = NetLab(plan(self.fleet))
             self.lab.create()
             try:
                 self.nats = NatsServer(

@@ -57,6 +57,23 @@ def _existing_namespaces() -> set[str]:
     return {line.split()[0] for line in done.stdout.splitlines() if line.strip()}
 
 
+def _owner(state: Path) -> int | None:
+    try:
+        pid = json.loads(state.read_text()).get("pid")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return pid if isinstance(pid, int) else None
+
+
+def _alive(pid: int) -> bool:
+    """A running process (a zombie is not: it has ended and waits to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
 def _routed_core() -> bool:
     done = subprocess.run(
         ["ip", "route", "show", str(CORE)],
@@ -84,12 +101,16 @@ def _kill_processes_in(namespace: str) -> None:
             pass
 
 
-class NetLab:
-    """The namespaces of one lab; `state` names the file that remembers them."""
+RUN_DIR = Path("/run/nodus")
 
-    def __init__(self, topology: Topology, state: Path) -> None:
+
+class NetLab:
+    """The namespaces of one lab; `state` names the file that remembers them (by default one
+    per namespace prefix on this machine, so whichever run comes next cleans a crashed one)."""
+
+    def __init__(self, topology: Topology, state: Path | None = None) -> None:
         self.topology = topology
-        self.state = state
+        self.state = state or RUN_DIR / f"netlab-{topology.prefix.rstrip('-')}.json"
 
     # -- up ----------------------------------------------------------------------------------
 
@@ -98,6 +119,13 @@ class NetLab:
         reason = missing_requirements()
         if reason is not None:
             raise NodusError(ErrorCode.INVALID, reason)
+        owner = _owner(self.state)
+        if owner is not None and owner != os.getpid() and _alive(owner):
+            raise NodusError(
+                ErrorCode.CONFLICT,
+                f"network lab: a lab of prefix {self.topology.prefix!r} is up (process {owner}, "
+                f"{self.state}); stop it first",
+            )
         clean_leftovers(self.state)
         t = self.topology
         clashing = sorted(set(t.namespaces) & _existing_namespaces())
@@ -131,7 +159,11 @@ class NetLab:
 
     def _remember(self) -> None:
         self.state.parent.mkdir(parents=True, exist_ok=True)
-        record = {"namespaces": self.topology.namespaces, "host_link": self.topology.host_link}
+        record = {
+            "pid": os.getpid(),
+            "namespaces": self.topology.namespaces,
+            "host_link": self.topology.host_link,
+        }
         self.state.write_text(json.dumps(record))
 
     # -- down --------------------------------------------------------------------------------

@@ -209,7 +209,9 @@ class Agent:
         member = next(m for m in stored.value.members if m.node == self.node)
         wg_private = self._wg_keys[f"{joined.gang}.{joined.epoch}"]
         if stored.value.path is PathClass.DIRECT and self.nodus0:
-            direct = DirectMember(self.bus, stored.value, member, wg_private)
+            direct = DirectMember(
+                self.bus, stored.value, member, wg_private, underlay=self.machine.address
+            )
             try:
                 await direct.start()
             except Exception:

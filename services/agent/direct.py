@@ -24,6 +24,7 @@ from libs.contracts.relay import IceOffer, Member, RelayRecord
 from libs.runtime.tasks import TaskSet
 from libs.wg import key_from_base64
 from libs.wg.uapi import DeviceConfig, PeerConfig
+from services.agent import ice
 from services.agent.ice import IceFailed, Offer, PairIce, Path
 from services.agent.member import RELAY_FRESH
 from services.agent.nodus0 import Nodus0
@@ -50,7 +51,14 @@ async def stun_server(bus: Bus) -> tuple[str, int] | None:
 
 
 class DirectMember:
-    def __init__(self, bus: Bus, epoch: Epoch, member: EpochMember, wg_private: bytes) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        epoch: Epoch,
+        member: EpochMember,
+        wg_private: bytes,
+        underlay: str | None = None,
+    ) -> None:
         self.bus = bus
         self.epoch = epoch
         self.member = member
@@ -64,6 +72,8 @@ class DirectMember:
         self._pairs = TaskSet("direct pair", log)
         self._tasks = TaskSet("direct member", log)
         self._stun: tuple[str, int] | None = None
+        if underlay is not None:  # the machine's own address: ICE gathers there only
+            ice.UNDERLAY = {underlay}
 
     async def start(self) -> None:
         self._stun = await stun_server(self.bus)
@@ -112,10 +122,10 @@ class DirectMember:
         return names.ice_key(self.epoch.gang, self.epoch.epoch, node, peer)
 
     async def _pair(self, peer: Member, key: bytes) -> None:
-        ice = PairIce(self.node < peer.node, self._stun)
+        checks = PairIce(self.node < peer.node, self._stun)
         mine = self._key(self.node, peer.node)
         try:
-            offer = await ice.offer()
+            offer = await checks.offer()
             record = IceOffer(
                 gang=self.epoch.gang,
                 epoch=self.epoch.epoch,
@@ -127,7 +137,7 @@ class DirectMember:
             )
             await self.offers.put(mine, record)
             theirs = await self._peer_offer(peer.node, lambda o: True, OFFER_WAIT)
-            path = await ice.connect(Offer(theirs.ufrag, theirs.pwd, tuple(theirs.candidates)))
+            path = await checks.connect(Offer(theirs.ufrag, theirs.pwd, tuple(theirs.candidates)))
             await self.offers.put(mine, msgspec.structs.replace(record, connected=True))
             try:  # our socket answers the peer's checks until it has its path too
                 await self._peer_offer(peer.node, lambda o: o.connected, SETTLE_WAIT)
@@ -145,7 +155,7 @@ class DirectMember:
             )
             return
         finally:
-            await ice.close()
+            await checks.close()
         await self.ports.set(peer.node, Mapping(path.local, path.remote))
         endpoint = f"{path.remote[0]}:{path.remote[1]}"
         await self.device.configure(

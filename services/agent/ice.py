@@ -53,17 +53,26 @@ def _underlay(candidate: Candidate) -> bool:
     return address.version == 4 and address not in MESH and not address.is_loopback
 
 
+# The addresses ICE may gather on: the machine's own (the fleet's `address`, its eth0), set
+# by the agent; None: every IPv4 address but nodus0's.
+UNDERLAY: set[str] | None = None
+
+
 def _underlay_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
     return [
         address
         for address in _all_host_addresses(use_ipv4, use_ipv6)
-        if ipaddress.ip_address(address).version == 4 and ipaddress.ip_address(address) not in MESH
+        if ipaddress.ip_address(address).version == 4
+        and ipaddress.ip_address(address) not in MESH
+        and (UNDERLAY is None or address in UNDERLAY)
     ]
 
 
-# aioice gathers on every address of the machine, nodus0's too, and has no filter for it; a
-# check sent from nodus0's address can win and leave WireGuard with a path through itself.
-# Its gathering calls this module-level function: the agent narrows it to the underlay.
+# aioice gathers on every address of the machine and has no filter for it. A check sent from
+# nodus0's address can win and leave WireGuard with a path through itself; one from a private
+# network's interface can be nominated on one side only (its STUN also waits out a timeout
+# there). Its gathering calls this module-level function: the agent narrows it to the
+# machine's own address.
 _all_host_addresses = aioice.ice.get_host_addresses
 aioice.ice.get_host_addresses = _underlay_addresses
 

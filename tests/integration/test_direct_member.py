@@ -87,7 +87,7 @@ from libs.contracts.relay import Member
 from libs.wg import generate_private_key, key_to_base64, public_key
 from services.agent.direct import DirectMember
 
-async def main(url, epoch_json, node):
+async def main(url, epoch_json, node, underlay):
     epoch = msgspec.json.decode(epoch_json, type=Epoch)
     me = next(m for m in epoch.members if m.node == node)
     bus = await Bus.open(url, name=node, buckets=[names.BUCKET_MEMBERS, names.BUCKET_ICE, names.BUCKET_RELAYS])
@@ -96,7 +96,7 @@ async def main(url, epoch_json, node):
         names.member_key(epoch.gang, epoch.epoch, node),
         Member(gang=epoch.gang, epoch=epoch.epoch, node=node, rank=me.rank, address=me.address,
                wg_public_key=key_to_base64(public_key(private)), joined_time=now()))
-    member = DirectMember(bus, epoch, me, private)
+    member = DirectMember(bus, epoch, me, private, underlay=underlay)
     await member.start()
     peers = len(epoch.members) - 1
     while len(member.paths) + len(member.failures) < peers:
@@ -228,11 +228,10 @@ def test_three_vms_two_behind_nat_join_over_nodus0_and_every_pair_carries_bytes(
         asyncio.run(_wait_for_stun(server.url))
         epoch_json = msgspec.json.encode(_epoch()).decode()
         members = []
-        for name, *_ in MACHINES:
+        for name, _, address, *_ in MACHINES:
+            argv = [sys.executable, "-c", MEMBER, server.url, epoch_json, name, address]
             member = subprocess.Popen(
-                lab.machine_argv(
-                    name, [sys.executable, "-c", MEMBER, server.url, epoch_json, name]
-                ),
+                lab.machine_argv(name, argv),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
