@@ -1,9 +1,9 @@
 """`nodus demo`: the system up on the embedded fleet, the example jobs applied, their gangs
 placed (one per path class) and the refusals shown with their reasons; then a clean stop.
 
-As root on a machine with what the network lab needs, every machine is a network namespace
-(examples/fleet-netns.yaml) and the Direct gang runs too, over nodus0; otherwise the demo says
-why not and shows it placed only."""
+With --netns, as root on a machine with what the network lab needs, every machine is a network
+namespace (examples/fleet-netns.yaml) and the Direct gang runs too, over nodus0; otherwise the
+demo says why not and shows it placed only."""
 
 from __future__ import annotations
 
@@ -49,12 +49,13 @@ async def _wait_placed(client: Client, job: Job, timeout: float = 30.0) -> Job:
     return await asyncio.wait_for(wait(), timeout)
 
 
-async def run_demo(state_dir: Path | None = None) -> int:
-    """The demo in a temporary state dir, or in `state_dir` (kept: its logs/, for tests)."""
+async def run_demo(state_dir: Path | None = None, netns: bool = False) -> int:
+    """The demo in a temporary state dir, or in `state_dir` (kept: its logs/, for tests);
+    with `netns`, in the network-namespace lab when this machine has what it needs."""
     if state_dir is not None:
-        return await _run_demo(state_dir)  # LocalSystem.start creates it
+        return await _run_demo(state_dir, netns)  # LocalSystem.start creates it
     with tempfile.TemporaryDirectory(prefix="nodus-demo-") as state:
-        return await _run_demo(Path(state))
+        return await _run_demo(Path(state), netns)
 
 
 def lab_unavailable() -> str | None:
@@ -66,8 +67,12 @@ def lab_unavailable() -> str | None:
     return reason
 
 
-async def _run_demo(state: Path) -> int:
-    skipped = lab_unavailable()
+async def _run_demo(state: Path, netns: bool) -> int:
+    skipped = (
+        lab_unavailable()
+        if netns
+        else "the embedded default shares one network namespace (nodus demo --netns runs it)"
+    )
     if skipped is None:
         system = LocalSystem(
             fleet_path=NETNS_FLEET,

@@ -70,12 +70,18 @@ def _demo_flags(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="keep the system's files (logs/ included) here; default: a temporary directory",
     )
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="every machine in a network namespace (root; examples/fleet-netns.yaml), so the "
+        "Direct gang runs over nodus0 too",
+    )
 
 
 async def _demo(args: argparse.Namespace) -> int:
     from app.demo import run_demo
 
-    return await run_demo(args.state_dir)
+    return await run_demo(args.state_dir, args.netns)
 
 
 def _schema_flags(parser: argparse.ArgumentParser) -> None:

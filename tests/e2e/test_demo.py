@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from app.demo import lab_unavailable
 from tests.e2e.daemon_logs import DaemonLogs
 
 pytestmark = pytest.mark.slow
@@ -35,14 +34,8 @@ def test_demo_places_one_gang_per_path_runs_the_workload_and_shows_refusals(
         assert reason in out
     assert "NODUS_GANG_TRANSPORT=relayed" in out and "LD_PRELOAD=" in out
     assert "stopped everything" in out
-    if lab_unavailable() is None:
-        # As root with the lab's tools, every machine is a network namespace and the Direct
-        # gang (4 members, one behind NAT) runs over nodus0 too.
-        assert "the workload ran on the direct, the private, the relayed gang" in out
-        assert out.count('"verified": true') == 8
-        assert '"path":"direct"' in out
-    else:
-        assert "the Direct gang will be shown placed only" in out
-        assert "the workload ran on the private, the relayed gang, verified on every rank" in out
-        assert out.count('"verified": true') == 4
+    # The embedded default: the Direct gang is shown placed only (`nodus demo --netns` runs it).
+    assert "the Direct gang will be shown placed only" in out
+    assert "the workload ran on the private, the relayed gang, verified on every rank" in out
+    assert out.count('"verified": true') == 4
     assert '"path":"derp:' in out and "Succeeded" in out

@@ -3,8 +3,16 @@ connected, a client that says how its connect ended."""
 
 from __future__ import annotations
 
+import contextlib
+import secrets
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from app.netlab import NetLab, plan
+from libs.contracts.base import convert
+from libs.contracts.fleet import Fleet
 
 
 def run_python(argv_prefix: list[str], code: str, timeout: float = 10.0) -> str:
@@ -56,3 +64,45 @@ def seen_by(
     finally:
         server.kill()
         server.wait()
+
+
+REPO = Path(__file__).resolve().parents[2]
+# What a program started inside a lab namespace needs to import this tree.
+ENV = {"PYTHONPATH": str(REPO), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+
+
+def lab_fleet(*machines: tuple[str, str, str, bool]) -> Fleet:
+    """VMs (name, provider, address, behind NAT) in one region of their providers."""
+    return convert(
+        {
+            "machines": [
+                {
+                    "name": name,
+                    "provider": provider,
+                    "region": "r1",
+                    "regionClass": "us",
+                    "offering": "vm",
+                    "address": address,
+                    "nat": nat,
+                    "pool": "p",
+                    "cluster": "c",
+                    "accelerators": {"count": 1, "backend": "cuda", "model": "L4"},
+                }
+                for name, provider, address, nat in machines
+            ]
+        },
+        Fleet,
+    )
+
+
+@contextlib.contextmanager
+def running_lab(fleet: Fleet, state: Path, reach_from_host: bool = False) -> Iterator[NetLab]:
+    """The lab of `fleet` under a prefix of its own, removed afterwards."""
+    netlab = NetLab(
+        plan(fleet, prefix=f"t{secrets.token_hex(2)}-", reach_from_host=reach_from_host), state
+    )
+    netlab.create()
+    try:
+        yield netlab
+    finally:
+        netlab.destroy()

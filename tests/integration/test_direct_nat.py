@@ -16,42 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from app.netlab import CONTROL_ADDRESS, NetLab, in_namespace, missing_requirements, plan
-from libs.contracts.base import convert
-from libs.contracts.fleet import Fleet
+from app.netlab import CONTROL_ADDRESS, NetLab, in_namespace, missing_requirements
 from libs.wg import generate_private_key, public_key
-from tests.integration.lab_programs import run_python
+from tests.integration.lab_programs import ENV, REPO, lab_fleet, run_python, running_lab
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = {"PYTHONPATH": str(REPO), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 reason = missing_requirements() or next(
     (f"no {tool}" for tool in ("wireguard-go", "conntrack") if shutil.which(tool) is None), None
 )
 pytestmark = pytest.mark.skipif(reason is not None, reason=str(reason))
 
-FLEET = convert(
-    {
-        "machines": [
-            {
-                "name": name,
-                "provider": provider,
-                "region": "r1",
-                "regionClass": "us",
-                "offering": "vm",
-                "address": address,
-                "nat": True,
-                "pool": "p",
-                "cluster": "c",
-                "accelerators": {"count": 1, "backend": "cuda", "model": "L4"},
-            }
-            for name, provider, address in (
-                ("home-a", "home", "198.19.3.1"),
-                ("cafe-b", "cafe", "198.19.4.1"),
-            )
-        ]
-    },
-    Fleet,
-)
+FLEET = lab_fleet(("home-a", "home", "198.19.3.1", True), ("cafe-b", "cafe", "198.19.4.1", True))
 
 STUN = """
 import asyncio
@@ -128,15 +102,8 @@ with socket.create_connection(("100.64.0.2", 7000), timeout=15) as s:
 
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[NetLab]:
-    netlab = NetLab(
-        plan(FLEET, prefix=f"nd{secrets.token_hex(2)}-", reach_from_host=False),
-        tmp_path / "lab.json",
-    )
-    netlab.create()
-    try:
+    with running_lab(FLEET, tmp_path / "lab.json", reach_from_host=False) as netlab:
         yield netlab
-    finally:
-        netlab.destroy()
 
 
 def _spawn(argv: list[str]) -> subprocess.Popen[str]:

@@ -15,37 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from app.netlab import NetLab, missing_requirements, plan
-from libs.contracts.base import convert
-from libs.contracts.fleet import Fleet
+from app.netlab import NetLab, missing_requirements
 from libs.wg import generate_private_key, public_key
-from tests.integration.lab_programs import run_python
+from tests.integration.lab_programs import REPO, lab_fleet, run_python, running_lab
 
-REPO = Path(__file__).resolve().parents[2]
 reason = missing_requirements() or (None if shutil.which("wireguard-go") else "no wireguard-go")
 pytestmark = pytest.mark.skipif(reason is not None, reason=str(reason))
 
-FLEET = convert(
-    {
-        "machines": [
-            {
-                "name": name,
-                "provider": provider,
-                "region": "r1",
-                "regionClass": "us",
-                "offering": "vm",
-                "address": address,
-                "pool": "p",
-                "cluster": "c",
-                "accelerators": {"count": 1, "backend": "cuda", "model": "L4"},
-            }
-            for name, provider, address in (
-                ("aws-a", "aws", "198.18.1.1"),
-                ("lambda-a", "lambda", "198.18.2.1"),
-            )
-        ]
-    },
-    Fleet,
+FLEET = lab_fleet(
+    ("aws-a", "aws", "198.18.1.1", False), ("lambda-a", "lambda", "198.18.2.1", False)
 )
 
 # A member's side: nodus0 up with its key and its peer, until stdin closes; then its state.
@@ -94,15 +72,8 @@ with socket.create_connection(("100.64.0.2", 7000), timeout=10) as s:
 
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[NetLab]:
-    netlab = NetLab(
-        plan(FLEET, prefix=f"nw{secrets.token_hex(2)}-", reach_from_host=False),
-        tmp_path / "lab.json",
-    )
-    netlab.create()
-    try:
+    with running_lab(FLEET, tmp_path / "lab.json", reach_from_host=False) as netlab:
         yield netlab
-    finally:
-        netlab.destroy()
 
 
 def _member(lab: NetLab, machine: str, *args: str) -> subprocess.Popen[str]:

@@ -16,13 +16,9 @@ from pathlib import Path
 import pytest
 from aioice import stun
 
-from app.netlab import CONTROL_ADDRESS, NetLab, in_namespace, missing_requirements, plan
-from libs.contracts.base import convert
-from libs.contracts.fleet import Fleet
+from app.netlab import CONTROL_ADDRESS, NetLab, in_namespace, missing_requirements
 from services.relay.stun import StunServer
-from tests.integration.lab_programs import run_python
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.integration.lab_programs import REPO, lab_fleet, run_python, running_lab
 
 SERVE = """
 import asyncio
@@ -78,25 +74,7 @@ async def test_datagrams_that_are_not_binding_requests_are_ignored_and_answering
         await server.stop()
 
 
-FLEET = convert(
-    {
-        "machines": [
-            {
-                "name": "home-a",
-                "provider": "home",
-                "region": "r1",
-                "regionClass": "us",
-                "offering": "vm",
-                "address": "198.19.3.1",
-                "nat": True,
-                "pool": "p",
-                "cluster": "c",
-                "accelerators": {"count": 1, "backend": "cuda", "model": "L4"},
-            }
-        ]
-    },
-    Fleet,
-)
+FLEET = lab_fleet(("home-a", "home", "198.19.3.1", True))
 
 
 @pytest.fixture
@@ -104,15 +82,8 @@ def lab(tmp_path: Path) -> Iterator[NetLab]:
     reason = missing_requirements()
     if reason is not None:
         pytest.skip(reason)
-    netlab = NetLab(
-        plan(FLEET, prefix=f"ns{secrets.token_hex(2)}-", reach_from_host=False),
-        tmp_path / "lab.json",
-    )
-    netlab.create()
-    try:
+    with running_lab(FLEET, tmp_path / "lab.json", reach_from_host=False) as netlab:
         yield netlab
-    finally:
-        netlab.destroy()
 
 
 def test_a_member_behind_nat_learns_its_routers_public_address(lab: NetLab) -> None:
