@@ -17,16 +17,15 @@ import msgspec
 
 from libs.bus import Bus
 from libs.contracts import names
-from libs.contracts.base import now
 from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.errors import ErrorCode, NodusError
-from libs.contracts.relay import IceOffer, Member, RelayRecord
+from libs.contracts.relay import IceOffer, Member
 from libs.runtime.tasks import TaskSet
 from libs.wg import key_from_base64
 from libs.wg.uapi import DeviceConfig, PeerConfig
 from services.agent import ice
 from services.agent.ice import IceFailed, Offer, PairIce, Path
-from services.agent.member import RELAY_FRESH
+from services.agent.member import live_relays
 from services.agent.nodus0 import Nodus0
 from services.agent.wgport import Mapping, PortMap
 
@@ -41,10 +40,8 @@ SETTLE_WAIT = 10.0  # after our checks succeeded, how long the peer may take to 
 
 async def stun_server(bus: Bus) -> tuple[str, int] | None:
     """A live relay's STUN address, or None (host candidates only)."""
-    records = await bus.bucket(names.BUCKET_RELAYS, RelayRecord).snapshot()
-    t = now()
-    for record in sorted((r.value for r in records.values()), key=lambda r: r.name):
-        if record.stun_address and t - record.heartbeat_time < RELAY_FRESH:
+    for record in await live_relays(bus):
+        if record.stun_address:
             host, _, port = record.stun_address.rpartition(":")
             return host.strip("[]"), int(port)
     return None
@@ -143,24 +140,20 @@ class DirectMember:
                 await self._peer_offer(peer.node, lambda o: o.connected, SETTLE_WAIT)
             except TimeoutError:
                 log.warning("%s: %s did not confirm its path; going on", self.epoch.gang, peer.node)
-        except (IceFailed, TimeoutError) as error:
-            reason = str(error) or "no offer from the peer"
-            self.failures[peer.node] = reason
-            log.warning(
-                "%s epoch %d: no direct path to %s: %s",
-                self.epoch.gang,
-                self.epoch.epoch,
-                peer.node,
-                reason,
-            )
+        except (IceFailed, TimeoutError, NodusError) as error:
+            self._failed(peer.node, str(error) or "no offer from the peer")
             return
         finally:
             await checks.close()
-        await self.ports.set(peer.node, Mapping(path.local, path.remote))
         endpoint = f"{path.remote[0]}:{path.remote[1]}"
-        await self.device.configure(
-            DeviceConfig(peers=(PeerConfig(key, (f"{peer.address}/32",), endpoint, KEEPALIVE),))
-        )
+        try:
+            await self.ports.set(peer.node, Mapping(path.local, path.remote))
+            await self.device.configure(
+                DeviceConfig(peers=(PeerConfig(key, (f"{peer.address}/32",), endpoint, KEEPALIVE),))
+            )
+        except NodusError as error:  # this pair's rule or peer: the other pairs go on
+            self._failed(peer.node, str(error))
+            return
         self.paths[peer.node] = path
         log.info(
             "%s epoch %d: %s reached at %s (%s to %s)",
@@ -170,6 +163,16 @@ class DirectMember:
             endpoint,
             path.local_kind,
             path.remote_kind,
+        )
+
+    def _failed(self, peer: str, reason: str) -> None:
+        self.failures[peer] = reason
+        log.warning(
+            "%s epoch %d: no direct path to %s: %s",
+            self.epoch.gang,
+            self.epoch.epoch,
+            peer,
+            reason,
         )
 
     async def _peer_offer(

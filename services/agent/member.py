@@ -25,17 +25,21 @@ RELAY_FRESH = timedelta(seconds=10)
 RELAYS_PER_MEMBER = 2
 
 
+async def live_relays(bus: Bus) -> list[RelayRecord]:
+    """The relays whose heartbeats are fresh, in a stable order."""
+    records = await bus.bucket(names.BUCKET_RELAYS, RelayRecord).snapshot()
+    t = now()
+    return sorted(
+        (r.value for r in records.values() if t - r.value.heartbeat_time < RELAY_FRESH),
+        key=lambda r: r.name,
+    )
+
+
 async def pick_relays(bus: Bus, wait: float = 30.0) -> list[tuple[str, str]]:
     """Two live relays (fresh heartbeats), in a stable order; waits for at least one."""
-    bucket = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
     deadline = asyncio.get_running_loop().time() + wait
     while True:
-        records = await bucket.snapshot()
-        t = now()
-        live = sorted(
-            (r.value for r in records.values() if t - r.value.heartbeat_time < RELAY_FRESH),
-            key=lambda r: r.name,
-        )
+        live = await live_relays(bus)
         if live:
             return [(r.name, r.address) for r in live[:RELAYS_PER_MEMBER]]
         if asyncio.get_running_loop().time() > deadline:
