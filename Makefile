@@ -31,7 +31,7 @@ netshim: system-deps
 	$(MAKE) -C netshim
 
 demo: system-deps $(STAMP) netshim
-	$(BIN)/nodus demo
+	$(BIN)/nodus demo --netns
 
 test: system-deps $(STAMP) $(TORCH_STAMP) netshim
 	$(BIN)/pytest -q

@@ -30,6 +30,7 @@ BUCKET_PROBES = "nodus-probes"  # org.name.epoch -> ProbeRecord
 BUCKET_RANKS = "nodus-ranks"  # org.name.epoch.rank -> RankStatus
 # org.name.epoch.node.peer -> IceOffer: a Direct member's ICE offer to one peer (G11)
 BUCKET_ICE = "nodus-ice"
+BUCKET_PATHS = "nodus-paths"  # org.name.epoch.node -> MemberPaths (a Direct member's paths)
 
 ALL_BUCKETS = [
     BUCKET_JOBS,
@@ -46,6 +47,7 @@ ALL_BUCKETS = [
     BUCKET_PROBES,
     BUCKET_RANKS,
     BUCKET_ICE,
+    BUCKET_PATHS,
 ]
 
 # Usage stream: bytes members sent through relays, de-duplicated by message id (G17).

@@ -34,6 +34,30 @@ class IceOffer(Record):
     candidates: list[str]
     connected: bool = False
     failed: str = ""  # why this side's checks found no path, when they did not
+    # Checks run again when a pair lost its direct path (G13); the higher round wins, and
+    # each side joins the other's.
+    round: int = 0
+
+
+class PathHeartbeat(Record):
+    """What a Direct member's agent says to each peer's agent over `nodus0` (UDP, a few
+    times a second): the ICE round it is on and whether it sends to the peer directly. The
+    sender is the mesh address it came from (WireGuard authenticated it)."""
+
+    round: int
+    direct: bool
+
+
+class MemberPaths(Record):
+    """A Direct member's path to each peer, written when one changes: `direct`, or
+    `derp:<region>` while the pair falls back to the relays (G13). The gang's run turns it
+    into `NetworkDegraded`."""
+
+    gang: str
+    epoch: int
+    node: Name
+    paths: dict[str, str]  # peer node -> direct | derp:<region> | none
+    changed_time: datetime
 
 
 class RelayRecord(Record):

@@ -143,6 +143,32 @@ class RelayClient:
                 if self.on_presence is not None:
                     self.on_presence(self)
 
+    async def keep(
+        self,
+        on_up: Callable[[RelayClient], None],
+        on_down: Callable[[RelayClient], None],
+        log_as: logging.Logger = log,
+    ) -> None:
+        """Stay connected until cancelled: dial, `on_up`, run, `on_down`, and dial again (at
+        once after a connection that lasted, else after a backoff up to 2 s)."""
+        backoff = 0.2
+        while True:
+            try:
+                await self.connect()
+            except (OSError, TimeoutError, FrameError, NodusError) as error:
+                log_as.info("relay %s unavailable: %s", self.name, error or type(error).__name__)
+            else:
+                backoff = 0.2
+                on_up(self)
+                began = asyncio.get_running_loop().time()
+                await self.run()  # returns when the connection ends, whatever ended it
+                log_as.info("relay %s connection ended: %s", self.name, self.ended)
+                on_down(self)
+                if asyncio.get_running_loop().time() - began > 1.0:
+                    continue  # dial again at once (a relay that dropped a paused member, say)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
     def _presence(self, add: tuple[bytes, ...] = (), remove: tuple[bytes, ...] = ()) -> None:
         self.present.update(add)
         self.present.difference_update(remove)

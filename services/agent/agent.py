@@ -82,10 +82,17 @@ class Agent:
         state = state_dir or Path(tempfile.gettempdir()) / "nodus" / self.node
         self.gangs = GangWork(bus, self.node, state / "logs", self._path_of)
 
-    def _path_of(self, gang: str, epoch: int) -> str | None:
+    async def _path_of(self, gang: str, epoch: int, peer: str) -> str | None:
+        """The path to `peer` the workload's bytes take now: the tunnel's relay on the
+        Relayed path; on the Direct path, once the pair's first checks ended, `direct` or
+        the relay that carries it."""
         for runtime in self.relayed.values():
             if (runtime.epoch.gang, runtime.epoch.epoch) == (gang, epoch) and runtime.tunnel:
                 return runtime.tunnel.path
+        for direct in self.direct.values():
+            if (direct.epoch.gang, direct.epoch.epoch) == (gang, epoch):
+                await direct.first_round(peer)
+                return direct.path_to(peer)
         return None
 
     def record(self) -> NodeRecord:
@@ -212,12 +219,13 @@ class Agent:
             direct = DirectMember(
                 self.bus, stored.value, member, wg_private, underlay=self.machine.address
             )
+            self.direct[key] = direct  # the probe may ask for its paths while it starts
             try:
                 await direct.start()
             except Exception:
+                self.direct.pop(key, None)
                 await direct.stop()
                 raise
-            self.direct[key] = direct
             return
         if stored.value.path is not PathClass.RELAYED:
             return

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from libs.bus import Bus, Endpoint
@@ -58,7 +58,11 @@ async def _start_when_address_is_up(server: ProbeServer, wait: float) -> None:
 
 class GangWork:
     def __init__(
-        self, bus: Bus, node: str, log_dir: Path, path_of: Callable[[str, int], str | None]
+        self,
+        bus: Bus,
+        node: str,
+        log_dir: Path,
+        path_of: Callable[[str, int, str], Awaitable[str | None]],
     ) -> None:
         self.bus = bus
         self.node = node
@@ -66,7 +70,7 @@ class GangWork:
         self.jobs = bus.bucket(names.BUCKET_JOBS, Job)
         self.runner = RankRunner(node, bus.bucket(names.BUCKET_RANKS, RankStatus), log_dir)
         self.servers: dict[tuple[str, int], ProbeServer] = {}
-        self.path_of = path_of  # the tunnel's path (derp:<region>) on the Relayed path
+        self.path_of = path_of  # the path to a peer now: direct | derp:<region>
 
     def endpoints(self) -> list[Endpoint]:  # type: ignore[type-arg]
         def verb(name: str) -> str:
@@ -118,6 +122,8 @@ class GangWork:
         """Probe one peer from a separate process with this rank's environment: on the Relayed
         path its connections go through the shim, SOCKS5 and the relays, as the workload's do."""
         epoch, member = await self._member(request.gang, request.epoch)
+        # The path the bytes take (on Direct, once the pair's checks ended), before and after.
+        before = await self.path_of(request.gang, request.epoch, request.peer)
         command = [
             sys.executable,
             "-m",
@@ -157,9 +163,13 @@ class GangWork:
             return PairResult(
                 a=self.node, b=request.peer, ok=False, error=f"probe crashed: {detail}"
             )
-        path = "direct"
+        after = await self.path_of(request.gang, request.epoch, request.peer)
         if epoch.path is PathClass.RELAYED:
-            path = self.path_of(request.gang, request.epoch) or "derp:unknown"
+            path = after or "derp:unknown"
+        elif epoch.path is PathClass.DIRECT:  # direct only if the bytes went peer to peer
+            path = next((p for p in (before, after) if p and p != "direct"), "direct")
+        else:
+            path = "direct"
         return PairResult(
             a=self.node,
             b=request.peer,

@@ -82,6 +82,7 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
             names.BUCKET_JOBS,
             names.BUCKET_RANKS,
             names.BUCKET_ICE,
+            names.BUCKET_PATHS,
         ],
     )
     agent = Agent(

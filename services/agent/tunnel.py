@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge
 
-from libs.contracts.errors import NodusError
-from libs.relayproto import FrameError
 from libs.relayproto.client import RelayClient
 from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.socks5 import ReplyCode
@@ -167,7 +165,9 @@ class Tunnel:
 
     async def start(self) -> None:
         for relay in self.relays:
-            self._tasks.spawn(self._keep_relay(relay), name=f"relay {relay.name}")
+            self._tasks.spawn(
+                relay.keep(self._relay_up, self._relay_down, log), name=f"relay {relay.name}"
+            )
         self._tasks.spawn(self._timers(), name="timers")
 
     async def stop(self) -> None:
@@ -193,26 +193,13 @@ class Tunnel:
 
     # -- relays and failover -------------------------------------------------------------------
 
-    async def _keep_relay(self, relay: RelayClient) -> None:
-        backoff = 0.2
-        while True:
-            try:
-                await relay.connect()
-            except (OSError, TimeoutError, FrameError, NodusError) as error:
-                log.info("relay %s unavailable: %s", relay.name, error or type(error).__name__)
-            else:
-                backoff = 0.2
-                if self.home is None:
-                    self._make_home(relay, failover=False)
-                began = time.monotonic()
-                await relay.run()  # returns when the connection ends, whatever ended it
-                log.info("relay %s connection ended: %s", relay.name, relay.ended)
-                if self.home is relay:
-                    self._failover(relay)
-                if time.monotonic() - began > 1.0:
-                    continue  # dial again at once (a relay that dropped a paused member, say)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+    def _relay_up(self, relay: RelayClient) -> None:
+        if self.home is None:
+            self._make_home(relay, failover=False)
+
+    def _relay_down(self, relay: RelayClient) -> None:
+        if self.home is relay:
+            self._failover(relay)
 
     def _make_home(self, relay: RelayClient, failover: bool) -> None:
         self.home = relay

@@ -1,6 +1,7 @@
 """The gang's run (G17): once the probe qualified an epoch, its ranks are launched; every rank
 exit is checked, and the job concludes Succeeded or Failed and is billed boot time, run time
-and relay bytes. Every step is a compare-and-set on the job (`update_job`), so replicas that
+and relay bytes (Relayed only). While it runs, the Direct members' paths (`nodus-paths`) set
+`NetworkDegraded` (G13): True, naming the pairs, while some pair goes through the relays. Every step is a compare-and-set on the job (`update_job`), so replicas that
 race (or a prober that comes back after a rank exited) conclude and bill it once."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from datetime import datetime
+from typing import Literal
 
 import msgspec
 from prometheus_client import Counter
@@ -19,9 +21,17 @@ from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.epochs import Epoch
 from libs.contracts.errors import NodusError
-from libs.contracts.jobs import Billing, ConditionType, Job, JobStatus, Phase, with_condition
+from libs.contracts.jobs import (
+    Billing,
+    ConditionType,
+    Job,
+    JobStatus,
+    PathClass,
+    Phase,
+    with_condition,
+)
 from libs.contracts.lifecycle import LaunchReply, LaunchRequest, RankStatus, StopRequest
-from libs.contracts.relay import UsageRecord
+from libs.contracts.relay import MemberPaths, UsageRecord
 from libs.runtime.tasks import TaskSet
 
 log = logging.getLogger("nodus.prober")
@@ -39,10 +49,12 @@ class GangRun:
         self.jobs = bus.bucket(names.BUCKET_JOBS, Job)
         self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
         self.ranks = bus.bucket(names.BUCKET_RANKS, RankStatus)
+        self.paths = bus.bucket(names.BUCKET_PATHS, MemberPaths)
         self.tasks = TaskSet("gang run", log)
 
     async def start(self) -> None:
         self.tasks.spawn(self._watch_ranks(), name="watch-ranks")
+        self.tasks.spawn(self._watch_paths(), name="watch-paths")
 
     async def stop(self) -> None:
         await self.tasks.close()
@@ -80,6 +92,7 @@ class GangRun:
 
         if not await update_job(self.jobs, gang, epoch, running, {Phase.PROBING}):
             return
+        await self._degraded(gang, epoch)  # a pair the relays carried from the start
         if failed:
             node, error = failed[0]
             await self._finish(gang, epoch, False, "LaunchFailed", f"{node}: {error}", started)
@@ -100,6 +113,41 @@ class GangRun:
                     self._conclude(status.gang, status.epoch),
                     name=f"conclude {status.gang}.{status.epoch}",
                 )
+
+    async def _watch_paths(self) -> None:
+        async for change in self.paths.watch():
+            paths = change.value
+            if paths is not None:
+                await self._degraded(paths.gang, paths.epoch)
+
+    async def _degraded(self, gang: str, epoch: int) -> None:
+        """`NetworkDegraded` from what every member says of its pairs, on a Running job."""
+        found = await self.paths.snapshot(f"{gang}.{epoch}.*")
+        slow: dict[tuple[str, str], str] = {}
+        for record in found.values():
+            for peer, path in record.value.paths.items():
+                if path != "direct":
+                    slow[(min(record.value.node, peer), max(record.value.node, peer))] = path
+        t = now()
+        state: Literal["True", "False"]
+        if slow:
+            pairs = ", ".join(f"{a}-{b} ({path})" for (a, b), path in sorted(slow.items()))
+            state, reason, message = "True", "RelayFallback", f"through the relays: {pairs}"
+        else:
+            state, reason, message = "False", "AllDirect", "every pair is direct"
+
+        def degraded(status: JobStatus) -> JobStatus:
+            current = next(
+                (c for c in status.conditions if c.type == ConditionType.NETWORK_DEGRADED), None
+            )
+            if current is None and state == "False":
+                return status  # never degraded: nothing to say
+            if current is not None and (current.status, current.message) == (state, message):
+                return status
+            return with_condition(status, ConditionType.NETWORK_DEGRADED, state, reason, message, t)
+
+        if found and await update_job(self.jobs, gang, epoch, degraded, {Phase.RUNNING}):
+            log.info("%s epoch %d: NetworkDegraded=%s: %s", gang, epoch, state, message)
 
     async def _conclude(self, gang: str, epoch: int) -> None:
         job = await self.jobs.get(gang)
@@ -150,8 +198,12 @@ class GangRun:
         """The end at `t` (when the ranks ended, even if no prober was up then), billed once:
         the compare-and-set from Running lets one writer conclude."""
         # Relays publish what members sent once a second: wait for the last flush of the run.
-        await asyncio.sleep(USAGE_SETTLE_SECONDS)
-        relay_bytes = await self._relay_bytes(gang)
+        stored = await self.epochs.get(names.epoch_key(gang, epoch))
+        relay_bytes = 0
+        # G17: Relayed traffic is billed; a Direct pair's fallback through the relays is not.
+        if stored is None or stored.value.path is PathClass.RELAYED:
+            await asyncio.sleep(USAGE_SETTLE_SECONDS)
+            relay_bytes = await self._relay_bytes(gang)
 
         def finished(status: JobStatus) -> JobStatus:
             # A rank can end before the launch replies are all in and the run's start is set.

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from app.demo import lab_unavailable
 from tests.e2e.daemon_logs import DaemonLogs
 
 pytestmark = pytest.mark.slow
@@ -39,3 +40,25 @@ def test_demo_places_one_gang_per_path_runs_the_workload_and_shows_refusals(
     assert "the workload ran on the private, the relayed gang, verified on every rank" in out
     assert out.count('"verified": true') == 4
     assert '"path":"derp:' in out and "Succeeded" in out
+
+
+@pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
+def test_demo_in_the_lab_runs_the_direct_gang_over_nodus0_beside_private_and_relayed(
+    tmp_path: Path, daemon_logs: DaemonLogs
+) -> None:
+    """What `make demo` runs as root: every machine in a namespace of its own, the Direct gang
+    probed `direct` and Succeeded, with no error in any daemon's log."""
+    nodus = str(Path(sys.executable).parent / "nodus")
+    state = tmp_path / "state"
+    daemon_logs.watch(state / "logs")
+    result = subprocess.run(
+        [nodus, "demo", "--netns", "--state-dir", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "the workload ran on the direct, the private, the relayed gang" in out
+    assert out.count('"verified": true') == 8
+    assert '"path":"direct"' in out and '"path":"derp:' in out

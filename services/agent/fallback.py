@@ -1,0 +1,143 @@
+"""The relays as the second path of a Direct member's `nodus0` (G13).
+
+For each peer, a UDP socket on the loopback stands in for the peer: while the pair is not
+direct, WireGuard's endpoint for the peer is that socket, and what WireGuard sends there goes
+to the peer through a relay, as the Relayed path's messages do (the member proves the
+epoch's key; relays carry only WireGuard messages between members of one gang epoch). What
+the relay delivers from the peer is sent to WireGuard from the same socket, so WireGuard
+sees one peer, whichever path carries it, and the TCP connections inside `nodus0` go on.
+
+Two relays, like the Relayed path: the first one up is home; when it goes, the other one.
+Datagrams are datagrams: one that cannot be sent (no relay, or the relay's queue is full) is
+dropped and counted, and WireGuard and TCP inside recover it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import cast
+
+from prometheus_client import Counter
+
+from libs.relayproto.client import RelayClient
+from libs.runtime.tasks import TaskSet
+
+log = logging.getLogger("nodus.agent.fallback")
+
+FALLBACK_BYTES = Counter(
+    "nodus_agent_fallback_bytes_total",
+    "WireGuard bytes a Direct member's pairs sent or received through the relays",
+    ["node", "direction"],
+)
+FALLBACK_DROPS = Counter(
+    "nodus_agent_fallback_drops_total",
+    "WireGuard datagrams for the relays dropped (no relay up, or its queue full)",
+    ["node"],
+)
+QUEUE_LIMIT = 4 << 20  # bytes queued to the relay before datagrams are dropped
+
+
+@dataclass
+class _Bridge(asyncio.DatagramProtocol):
+    fallback: RelayFallback
+    key: bytes  # the peer's WireGuard key
+    transport: asyncio.DatagramTransport | None = None
+    wireguard: tuple[str, int] = ("127.0.0.1", 0)
+    received: int = field(default=0)  # datagrams the relays delivered from the peer
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: tuple[str | object, ...]) -> None:
+        self.fallback.send(self.key, data)
+
+    def error_received(self, exc: Exception) -> None:  # WireGuard not listening for a moment
+        log.debug("fallback socket: %s", exc)
+
+
+class RelayFallback:
+    def __init__(
+        self,
+        node: str,
+        gang: str,
+        epoch: int,
+        wg_private: bytes,
+        wg_public: bytes,
+        relays: list[tuple[str, str]],
+        wireguard_port: int,
+    ) -> None:
+        self.node = node
+        self.wireguard_port = wireguard_port
+        self.clients = [
+            RelayClient(name, address, gang, epoch, node, wg_private, wg_public, self._received)
+            for name, address in relays
+        ]
+        self.home: RelayClient | None = None
+        self.bridges: dict[bytes, _Bridge] = {}
+        self._tasks = TaskSet("relay fallback", log)
+        self._sent = FALLBACK_BYTES.labels(node, "sent")
+        self._got = FALLBACK_BYTES.labels(node, "received")
+        self._drops = FALLBACK_DROPS.labels(node)
+
+    @property
+    def path(self) -> str:
+        return f"derp:{self.home.region}" if self.home is not None else "none"
+
+    async def start(self) -> None:
+        for client in self.clients:
+            self._tasks.spawn(client.keep(self._up, self._down, log), name=f"relay {client.name}")
+
+    async def stop(self) -> None:
+        for client in self.clients:
+            client.close()
+        await self._tasks.close()
+        for bridge in self.bridges.values():
+            if bridge.transport is not None:
+                bridge.transport.close()
+        self.bridges.clear()
+
+    async def endpoint(self, key: bytes) -> str:
+        """The loopback address that stands in for the peer with WireGuard key `key`."""
+        bridge = self.bridges.get(key)
+        if bridge is None:
+            bridge = _Bridge(self, key, wireguard=("127.0.0.1", self.wireguard_port))
+            await asyncio.get_running_loop().create_datagram_endpoint(
+                lambda: bridge, local_addr=("127.0.0.1", 0)
+            )
+            self.bridges[key] = bridge
+        assert bridge.transport is not None
+        host, port = bridge.transport.get_extra_info("sockname")[:2]
+        return f"{host}:{port}"
+
+    def send(self, key: bytes, datagram: bytes) -> None:
+        home = self.home
+        if home is None or home.backlog() > QUEUE_LIMIT or not home.send_now(key, datagram):
+            self._drops.inc()
+            return
+        self._sent.inc(len(datagram))
+
+    def _received(self, src: bytes, message: bytes) -> None:
+        bridge = self.bridges.get(src)
+        if bridge is None or bridge.transport is None:
+            return  # a peer of the epoch this member has no pair with yet
+        bridge.received += 1
+        self._got.inc(len(message))
+        bridge.transport.sendto(message, bridge.wireguard)
+
+    def _up(self, client: RelayClient) -> None:
+        if self.home is None:
+            self.home = client
+            client.home(False)
+            log.info("%s: relay %s carries the pairs that are not direct", self.node, client.name)
+
+    def _down(self, client: RelayClient) -> None:
+        if self.home is not client:
+            return
+        self.home = next((c for c in self.clients if c is not client and c.up), None)
+        if self.home is not None:
+            self.home.home(True)
+            log.warning("relay %s lost; fallback moves to %s", client.name, self.home.name)
+        else:
+            log.warning("relay %s lost and no other relay is up", client.name)

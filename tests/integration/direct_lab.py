@@ -1,0 +1,205 @@
+"""Direct members on lab VMs, as the agent runs them: the bus and a real relay (with STUN) in
+the lab's control namespace, one process per machine running `DirectMember` with the
+machine's own key recorded as the agent records it, reporting its paths on stdout."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from app.netlab import CONTROL_ADDRESS, NetLab, in_namespace
+from libs.bus import Bus
+from libs.bus.server import NatsServer
+from libs.contracts import names
+from libs.contracts.base import now
+from libs.contracts.bounds import derive
+from libs.contracts.epochs import Epoch, EpochMember
+from libs.contracts.jobs import PathClass
+from libs.contracts.relay import RelayRecord
+from tests.integration.lab_programs import ENV, REPO
+
+# One machine's Direct member: once every pair's first round ended, one line with the paths
+# (peer -> [remote, kind]) and failures; then, each time a line comes on stdin, a line with
+# the current path to every peer (direct | derp:<region>); it stops at end of input.
+MEMBER = """
+import asyncio, json, sys
+import msgspec
+from libs.bus import Bus
+from libs.contracts import names
+from libs.contracts.base import now
+from libs.contracts.epochs import Epoch
+from libs.contracts.relay import Member
+from libs.wg import generate_private_key, key_to_base64, public_key
+from services.agent.direct import DirectMember
+
+async def main(url, epoch_json, node, underlay):
+    epoch = msgspec.json.decode(epoch_json, type=Epoch)
+    me = next(m for m in epoch.members if m.node == node)
+    bus = await Bus.open(url, name=node, buckets=[names.BUCKET_MEMBERS, names.BUCKET_ICE,
+                                                  names.BUCKET_RELAYS, names.BUCKET_PATHS])
+    private = generate_private_key()
+    await bus.bucket(names.BUCKET_MEMBERS, Member).put(
+        names.member_key(epoch.gang, epoch.epoch, node),
+        Member(gang=epoch.gang, epoch=epoch.epoch, node=node, rank=me.rank, address=me.address,
+               wg_public_key=key_to_base64(public_key(private)), joined_time=now()))
+    member = DirectMember(bus, epoch, me, private, underlay=underlay)
+    await member.start()
+    peers = [m.node for m in epoch.members if m.node != node]
+    for peer in peers:
+        await member.first_round(peer)
+    print(json.dumps({"paths": {p: [x.remote, x.remote_kind] for p, x in member.paths.items()},
+                      "failures": member.failures}), flush=True)
+    loop = asyncio.get_running_loop()
+    while await loop.run_in_executor(None, sys.stdin.readline):
+        print(json.dumps({p: member.path_to(p) for p in peers}), flush=True)
+    await member.stop()
+    await bus.close()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def epoch_of(machines: list[tuple[str, str]], gang: str = "acme.train", number: int = 1) -> Epoch:
+    """A Direct epoch of (machine, mesh address) members."""
+    members = [
+        EpochMember(rank=rank, node=name, address=mesh, interface="nodus0", devices=[], env={})
+        for rank, (name, mesh) in enumerate(machines)
+    ]
+    t = now()
+    return Epoch(
+        gang=gang,
+        epoch=number,
+        path=PathClass.DIRECT,
+        mesh_id=secrets.token_hex(8),
+        verify_key="",
+        members=members,
+        bounds=derive(PathClass.DIRECT, len(members)),
+        created_time=t,
+        join_keys_expire_time=t + timedelta(minutes=15),
+        placed_by="test",
+    )
+
+
+def start_relay(lab: NetLab, tmp_path: Path, url: str, index: int = 0) -> subprocess.Popen[bytes]:
+    mesh_key = tmp_path / "mesh.key"
+    if not mesh_key.exists():
+        mesh_key.write_bytes(os.urandom(32).hex().encode())
+    argv = [
+        sys.executable,
+        "-m",
+        "app",
+        "relay",
+        "--nats",
+        url,
+        "--name",
+        f"relay-{index}",
+        "--region",
+        "us-east",
+        "--listen",
+        f"{CONTROL_ADDRESS}:{4430 + index}",
+        "--stun-port",
+        str(3478 + index),
+        "--mesh-key-file",
+        str(mesh_key),
+        "--usage-journal",
+        str(tmp_path / f"relay-{index}.usage"),
+        "--log-format",
+        "text",
+    ]
+    log = open(tmp_path / f"relay-{index}.log", "wb")
+    return subprocess.Popen(
+        in_namespace(lab.topology.control, argv),
+        cwd=REPO,
+        env=ENV,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+async def _wait_for_stun(url: str) -> None:
+    bus = await Bus.open(url, name="test", buckets=names.ALL_BUCKETS, streams=True)
+    try:
+        relays = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
+        for _ in range(200):
+            if any(r.value.stun_address for r in (await relays.snapshot()).values()):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the relay never announced its STUN address")
+    finally:
+        await bus.close()
+
+
+@dataclass
+class Members:
+    url: str
+    processes: dict[str, subprocess.Popen[str]]
+    reports: dict[str, dict[str, Any]]  # machine -> its first report (paths, failures)
+    logs: Path
+    others: list[subprocess.Popen[Any]] = field(default_factory=list)
+
+    def paths(self, machine: str) -> dict[str, str]:
+        """`machine`'s current path to each peer."""
+        process = self.processes[machine]
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write("\n")
+        process.stdin.flush()
+        line = process.stdout.readline()
+        assert line, f"{machine}'s member ended: see {self.logs}"
+        return dict(json.loads(line))
+
+
+@contextlib.contextmanager
+def direct_members(
+    lab: NetLab, tmp_path: Path, machines: list[tuple[str, str, str]]
+) -> Iterator[Members]:
+    """(machine, its address, its mesh address) as members of one Direct epoch, every pair's
+    first round done; stopped afterwards."""
+    server = NatsServer(
+        tmp_path / "nats",
+        port=4222,
+        host=str(CONTROL_ADDRESS),
+        launcher=in_namespace(lab.topology.control, []),
+    ).start()
+    members = Members(server.url, {}, {}, tmp_path)
+    try:
+        members.others.append(start_relay(lab, tmp_path, server.url))
+        asyncio.run(_wait_for_stun(server.url))
+        epoch_json = msgspec.json.encode(epoch_of([(n, mesh) for n, _, mesh in machines])).decode()
+        for name, address, _ in machines:
+            argv = [sys.executable, "-c", MEMBER, server.url, epoch_json, name, address]
+            members.processes[name] = subprocess.Popen(
+                lab.machine_argv(name, argv),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=open(tmp_path / f"{name}.log", "w"),
+                text=True,
+                cwd=REPO,
+                env=ENV,
+            )
+        for name, process in members.processes.items():
+            assert process.stdout is not None
+            line = process.stdout.readline()
+            assert line, f"{name}'s member ended: see {tmp_path / name}.log"
+            members.reports[name] = json.loads(line)
+        yield members
+        for process in members.processes.values():
+            process.communicate(timeout=20)
+            assert process.returncode == 0, f"see {tmp_path}"
+    finally:
+        for process in [*members.processes.values(), *members.others]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        server.stop()

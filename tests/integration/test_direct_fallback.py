@@ -1,0 +1,127 @@
+"""G13 with real programs: iperf3 runs between two lab VMs' mesh addresses over `nodus0` (one
+VM behind its provider's NAT); UDP is cut in one VM's namespace in the middle of the run, so
+the direct path is gone, then restored. iperf3 exits 0 with bytes moving while the relays
+carried the pair; both members say `derp:<region>` within 10 s of the cut, and `direct`
+again once UDP is back."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from app.netlab import NetLab, missing_requirements
+from tests.integration.direct_lab import Members, direct_members
+from tests.integration.lab_programs import lab_fleet, running_lab
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        (
+            reason := missing_requirements()
+            or next(
+                (
+                    f"no {t}"
+                    for t in ("wireguard-go", "conntrack", "iperf3")
+                    if shutil.which(t) is None
+                ),
+                None,
+            )
+        )
+        is not None,
+        reason=str(reason),
+    ),
+]
+
+MACHINES = [
+    ("lambda-a", "198.18.2.1", "100.64.9.1"),
+    ("home-b", "198.19.3.1", "100.64.9.2"),
+]
+FLEET = lab_fleet(
+    ("lambda-a", "lambda", "198.18.2.1", False), ("home-b", "home", "198.19.3.1", True)
+)
+SECONDS = 24
+CUT_AT, RESTORE_AT = 5.0, 14.0
+
+CUT = """table inet nodus_test_cut {
+  chain out { type filter hook output priority filter; oifname "eth0" meta l4proto udp drop; }
+  chain in { type filter hook input priority filter; iifname "eth0" meta l4proto udp drop; }
+}
+"""
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[NetLab]:
+    with running_lab(FLEET, tmp_path / "lab.json", reach_from_host=True) as netlab:
+        yield netlab
+
+
+def _until(check: Callable[[], bool], limit: float) -> float | None:
+    """Seconds until `check()` held, polling; None if it did not within `limit`."""
+    began = time.monotonic()
+    while time.monotonic() - began < limit:
+        if check():
+            return time.monotonic() - began
+        time.sleep(0.25)
+    return None
+
+
+def _all(members: Members, prefix: str) -> bool:
+    return all(
+        path.startswith(prefix) for name, *_ in MACHINES for path in members.paths(name).values()
+    )
+
+
+def test_udp_cut_mid_iperf3_falls_back_to_the_relays_and_comes_back(
+    lab: NetLab, tmp_path: Path
+) -> None:
+    with direct_members(lab, tmp_path, MACHINES) as members:
+        for name, report in members.reports.items():
+            assert report["failures"] == {}, (name, report)
+        server = subprocess.Popen(
+            lab.machine_argv("home-b", ["iperf3", "-s", "-1", "-B", "100.64.9.2"]),
+            stdout=subprocess.DEVNULL,
+        )
+        members.others.append(server)
+        time.sleep(0.5)
+        client = subprocess.Popen(
+            lab.machine_argv(
+                "lambda-a",
+                ["iperf3", "-c", "100.64.9.2", "-t", str(SECONDS), "-b", "200M", "--json"],
+            ),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        members.others.append(client)
+        began = time.monotonic()
+        time.sleep(CUT_AT)
+        cut = subprocess.run(
+            lab.machine_argv("lambda-a", ["nft", "-f", "-"]), input=CUT, text=True, check=True
+        )
+        assert cut.returncode == 0
+        degraded = _until(lambda: _all(members, "derp:"), 10.0)
+        assert degraded is not None, f"still direct 10 s after UDP was cut: see {tmp_path}"
+        time.sleep(max(0.0, RESTORE_AT - (time.monotonic() - began)))
+        subprocess.run(
+            lab.machine_argv("lambda-a", ["nft", "delete", "table", "inet", "nodus_test_cut"]),
+            check=True,
+        )
+        restored = _until(lambda: _all(members, "direct"), 40.0)
+        out, _ = client.communicate(timeout=SECONDS + 30)
+        assert client.returncode == 0, out[-2000:]
+        report = json.loads(out)
+        # Bytes moved while the relays carried the pair (the seconds after the fallback).
+        fallback = [
+            i["sum"]["bytes"]
+            for i in report["intervals"]
+            if CUT_AT + degraded + 1 <= i["sum"]["start"] < RESTORE_AT
+        ]
+        assert fallback and min(fallback) > 0, fallback
+        assert report["end"]["sum_received"]["bytes"] > 0
+        assert restored is not None, f"not direct again 40 s after UDP came back: see {tmp_path}"
+        print(f"fallback after {degraded:.1f} s; direct again {restored:.1f} s after the restore")
