@@ -124,4 +124,19 @@ def test_udp_cut_mid_iperf3_falls_back_to_the_relays_and_comes_back(
         assert fallback and min(fallback) > 0, fallback
         assert report["end"]["sum_received"]["bytes"] > 0
         assert restored is not None, f"not direct again 40 s after UDP came back: see {tmp_path}"
+        # And the other way, direct again: home-b (behind its NAT) sends to lambda-a.
+        back = subprocess.Popen(
+            lab.machine_argv("lambda-a", ["iperf3", "-s", "-1", "-B", "100.64.9.1"]),
+            stdout=subprocess.DEVNULL,
+        )
+        members.others.append(back)
+        time.sleep(0.5)
+        reverse = subprocess.run(
+            lab.machine_argv("home-b", ["iperf3", "-c", "100.64.9.1", "-t", "3", "--json"]),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert reverse.returncode == 0, reverse.stdout[-2000:]
+        assert json.loads(reverse.stdout)["end"]["sum_received"]["bytes"] > 0
         print(f"fallback after {degraded:.1f} s; direct again {restored:.1f} s after the restore")
