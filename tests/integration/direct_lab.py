@@ -11,6 +11,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -148,6 +149,9 @@ class Members:
     reports: dict[str, dict[str, Any]]  # machine -> its first report (paths, failures)
     logs: Path
     others: list[subprocess.Popen[Any]] = field(default_factory=list)
+    # From the members' start (a fresh process each: bus, nodus0, relays) until every pair's
+    # first round of checks ended on every member.
+    joined_seconds: float = 0.0
 
     def paths(self, machine: str) -> dict[str, str]:
         """`machine`'s current path to each peer."""
@@ -177,6 +181,7 @@ def direct_members(
         members.others.append(start_relay(lab, tmp_path, server.url))
         asyncio.run(_wait_for_stun(server.url))
         epoch_json = msgspec.json.encode(epoch_of([(n, mesh) for n, _, mesh in machines])).decode()
+        began = time.monotonic()
         for name, address, _ in machines:
             argv = [sys.executable, "-c", MEMBER, server.url, epoch_json, name, address]
             members.processes[name] = subprocess.Popen(
@@ -193,6 +198,7 @@ def direct_members(
             line = process.stdout.readline()
             assert line, f"{name}'s member ended: see {tmp_path / name}.log"
             members.reports[name] = json.loads(line)
+        members.joined_seconds = time.monotonic() - began
         yield members
         for process in members.processes.values():
             process.communicate(timeout=20)
