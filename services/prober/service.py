@@ -247,10 +247,15 @@ class Prober:
             )
         PROBE_SECONDS.observe(asyncio.get_running_loop().time() - started)
         failed = [r for r in results if not r.ok]
-        wanted = {"Direct": {"direct"}, "Auto": {"direct", "derp"}}
+        # G12: on a Direct epoch every pair must go peer to peer (a pair the relays carry
+        # from the start re-places a Direct gang, and an Auto one continues as Relayed); a
+        # Relayed epoch is what Auto allows.
+        wanted = {"direct"} if epoch.path is PathClass.DIRECT else {"direct", "derp"}
         job = await self.jobs.get(gang)
         transport = job.value.spec.distributed.transport if job else "Auto"
-        worse = [r for r in results if r.ok and r.path.split(":")[0] not in wanted[transport]]
+        if transport == "Direct":
+            wanted = {"direct"}
+        worse = [r for r in results if r.ok and r.path.split(":")[0] not in wanted]
         if failed or worse:
             await self._probe_failed(gang, epoch_number, (failed or worse)[0])
             return

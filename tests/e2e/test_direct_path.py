@@ -203,3 +203,60 @@ def test_udp_cut_sets_network_degraded_and_restoring_clears_it(
     ended = _apply_and_wait(system, spec, {Phase.SUCCEEDED, Phase.FAILED}, 60, apply=False)
     assert ended.status.phase is Phase.SUCCEEDED, ended.status.conditions
     print(f"NetworkDegraded True {after:.1f} s after the cut, False {back:.1f} s after the restore")
+
+
+def test_udp_blocked_from_the_start_replaces_direct_and_continues_auto_as_relayed(
+    system: LocalSystem, daemon_logs: DaemonLogs
+) -> None:
+    """G12: a pair that cannot go peer to peer (UDP blocked in one VM's namespace before the
+    gang exists) fails the Direct epoch's probe: a Direct gang is placed again without that
+    machine (here: nowhere, so it waits), an Auto gang continues as Relayed and Succeeds."""
+    daemon_logs.watch(system.state_dir / "logs")
+    assert system.lab is not None
+    machine = MACHINES[1][0]
+    argv = system.lab.machine_argv(machine, ["nft", "-f", "-"])
+    subprocess.run(argv, input=CUT, text=True, check=True)
+    try:
+        sleep = [sys.executable, "-c", "import time; time.sleep(2)"]
+        direct = job(
+            "blocked-direct",
+            command=sleep,
+            accelerators={"model": "L4"},
+            distributed={"members": 2, "transport": "Direct"},
+        )
+
+        def refused(current: Job) -> bool:
+            condition = current.condition(ConditionType.NETWORK_QUALIFIED)
+            return condition is not None and condition.reason == "ProbeFailed"
+
+        async def wait_refused(client: Client) -> Job:
+            await client.apply(direct)
+            deadline = time.monotonic() + 120
+            while not refused(current := await client.get_job("blocked-direct")):
+                assert time.monotonic() < deadline, current.status
+                await asyncio.sleep(0.25)
+            await client.delete("blocked-direct")
+            return current
+
+        found = _run(system, wait_refused)
+        assert isinstance(found, Job)
+        condition = found.condition(ConditionType.NETWORK_QUALIFIED)
+        assert condition is not None and "derp:" in condition.message, condition
+        assert found.status.phase is Phase.PENDING and found.status.avoid, found.status
+
+        auto = job(
+            "blocked-auto",
+            command=sleep,
+            accelerators={"model": "L4"},
+            distributed={"members": 2, "transport": "Auto"},
+        )
+        ended = _apply_and_wait(system, auto, {Phase.SUCCEEDED, Phase.FAILED}, 180)
+        assert ended.status.phase is Phase.SUCCEEDED, ended.status.conditions
+        gang = ended.status.gang
+        assert gang is not None and gang.transport.value == "relayed", gang
+        assert gang.probe is not None and gang.probe.path.startswith("derp:"), gang.probe
+    finally:
+        subprocess.run(
+            system.lab.machine_argv(machine, ["nft", "delete", "table", "inet", "nodus_test_cut"]),
+            check=False,
+        )
