@@ -153,6 +153,19 @@ class Members:
     # first round of checks ended on every member.
     joined_seconds: float = 0.0
 
+    def stop(self, machine: str | None = None) -> None:
+        """End the members' input (all, or one): they stop their dataplane and exit 0."""
+        for name, process in self.processes.items():
+            if machine is None or name == machine:
+                process.communicate(timeout=20)
+                assert process.returncode == 0, f"{name}: see {self.logs}"
+
+    def kill(self) -> None:
+        for process in [*self.processes.values(), *self.others]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
     def paths(self, machine: str) -> dict[str, str]:
         """`machine`'s current path to each peer."""
         process = self.processes[machine]
@@ -165,30 +178,45 @@ class Members:
 
 
 @contextlib.contextmanager
-def direct_members(
-    lab: NetLab, tmp_path: Path, machines: list[tuple[str, str, str]]
-) -> Iterator[Members]:
-    """(machine, its address, its mesh address) as members of one Direct epoch, every pair's
-    first round done; stopped afterwards."""
+def control_plane(lab: NetLab, tmp_path: Path) -> Iterator[tuple[str, list[subprocess.Popen[Any]]]]:
+    """nats-server and a relay (with STUN) in the lab's control namespace: the bus URL, and a
+    list whose processes are killed at the end (the relay's, and what the caller adds)."""
     server = NatsServer(
         tmp_path / "nats",
         port=4222,
         host=str(CONTROL_ADDRESS),
         launcher=in_namespace(lab.topology.control, []),
     ).start()
-    members = Members(server.url, {}, {}, tmp_path)
+    others: list[subprocess.Popen[Any]] = []
     try:
-        members.others.append(start_relay(lab, tmp_path, server.url))
+        others.append(start_relay(lab, tmp_path, server.url))
         asyncio.run(_wait_for_stun(server.url))
-        epoch_json = msgspec.json.encode(epoch_of([(n, mesh) for n, _, mesh in machines])).decode()
-        began = time.monotonic()
-        for name, address, _ in machines:
-            argv = [sys.executable, "-c", MEMBER, server.url, epoch_json, name, address]
+        yield server.url, others
+    finally:
+        for process in others:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        server.stop()
+
+
+def start_members(
+    lab: NetLab, url: str, epoch: Epoch, addresses: dict[str, str], logs: Path
+) -> Members:
+    """The epoch's members on their machines (`addresses`: machine -> its address), once
+    every pair's first round ended on every one."""
+    members = Members(url, {}, {}, logs)
+    epoch_json = msgspec.json.encode(epoch).decode()
+    began = time.monotonic()
+    try:
+        for planned in epoch.members:
+            name = planned.node
+            argv = [sys.executable, "-c", MEMBER, url, epoch_json, name, addresses[name]]
             members.processes[name] = subprocess.Popen(
                 lab.machine_argv(name, argv),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=open(tmp_path / f"{name}.log", "w"),
+                stderr=open(logs / f"{name}.{epoch.gang}.{epoch.epoch}.log", "w"),
                 text=True,
                 cwd=REPO,
                 env=ENV,
@@ -196,16 +224,25 @@ def direct_members(
         for name, process in members.processes.items():
             assert process.stdout is not None
             line = process.stdout.readline()
-            assert line, f"{name}'s member ended: see {tmp_path / name}.log"
+            assert line, f"{name}'s member ended: see {logs}"
             members.reports[name] = json.loads(line)
-        members.joined_seconds = time.monotonic() - began
+    except BaseException:
+        members.kill()
+        raise
+    members.joined_seconds = time.monotonic() - began
+    return members
+
+
+@contextlib.contextmanager
+def direct_members(
+    lab: NetLab, tmp_path: Path, machines: list[tuple[str, str, str]]
+) -> Iterator[Members]:
+    """(machine, its address, its mesh address) as members of one Direct epoch, every pair's
+    first round done; stopped afterwards."""
+    with control_plane(lab, tmp_path) as (url, others):
+        epoch = epoch_of([(n, mesh) for n, _, mesh in machines])
+        members = start_members(lab, url, epoch, {n: a for n, a, _ in machines}, tmp_path)
+        others.extend(members.processes.values())
+        members.others = others
         yield members
-        for process in members.processes.values():
-            process.communicate(timeout=20)
-            assert process.returncode == 0, f"see {tmp_path}"
-    finally:
-        for process in [*members.processes.values(), *members.others]:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        server.stop()
+        members.stop()
