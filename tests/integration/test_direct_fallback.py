@@ -15,26 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from app.netlab import NetLab, missing_requirements
+from app.demo import lab_unavailable
+from app.netlab import NetLab
 from tests.integration.direct_lab import Members, direct_members
 from tests.integration.lab_programs import lab_fleet, running_lab
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable())),
     pytest.mark.skipif(
-        (
-            reason := missing_requirements()
-            or next(
-                (
-                    f"no {t}"
-                    for t in ("wireguard-go", "conntrack", "iperf3")
-                    if shutil.which(t) is None
-                ),
-                None,
-            )
-        )
-        is not None,
-        reason=str(reason),
+        shutil.which("iperf3") is None, reason="no iperf3 (deploy/dev/system-deps.sh)"
     ),
 ]
 

@@ -10,28 +10,19 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from app.netlab import NetLab, missing_requirements
+from app.demo import lab_unavailable
+from app.netlab import NetLab
 from tests.integration.direct_lab import control_plane, epoch_of, start_members
 from tests.integration.lab_programs import lab_fleet, running_lab, seen_by
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        (
-            reason := missing_requirements()
-            or next(
-                (f"no {t}" for t in ("wireguard-go", "conntrack") if shutil.which(t) is None), None
-            )
-        )
-        is not None,
-        reason=str(reason),
-    ),
+    pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable())),
 ]
 
 ADDRESSES = {

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,22 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from app.netlab import NetLab, missing_requirements
+from app.demo import lab_unavailable
+from app.netlab import NetLab
 from tests.integration.direct_lab import direct_members
 from tests.integration.lab_programs import lab_fleet, run_python, running_lab
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        (
-            reason := missing_requirements()
-            or next(
-                (f"no {t}" for t in ("wireguard-go", "conntrack") if shutil.which(t) is None), None
-            )
-        )
-        is not None,
-        reason=str(reason),
-    ),
+    pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable())),
 ]
 
 MACHINES = (
