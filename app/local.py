@@ -196,8 +196,9 @@ class LocalSystem:
                 str(self.heartbeat_seconds),
                 "--socks-listen",
                 f"127.0.0.1:{socks_port}",
-                # Agents that share this host's network namespace cannot each have a nodus0.
-                *([] if self.lab is not None else ["--no-nodus0"]),
+                # Agents that share this host's network namespace cannot each have a nodus0,
+                # nor rules of their own for their private addresses.
+                *([] if self.lab is not None else ["--no-nodus0", "--no-port-rules"]),
             ],
             metrics=True,
         )

@@ -32,6 +32,7 @@ from services.agent.direct import DirectMember
 from services.agent.gangwork import GangWork
 from services.agent.inventory import capabilities_of, inventory_of
 from services.agent.member import RelayedMember
+from services.agent.private import PortRules, PrivateMember, ephemeral_range
 
 log = logging.getLogger("nodus.agent")
 
@@ -55,6 +56,7 @@ class Agent:
         tunnel_buffer_limit_bytes: int = 64 << 20,
         state_dir: Path | None = None,
         nodus0: bool = False,
+        port_rules: bool = False,
     ) -> None:
         self.bus = bus
         self.machine = machine
@@ -63,6 +65,7 @@ class Agent:
         # Direct epochs get a nodus0 here: a VM's agent with its own network namespace (a
         # machine, or a machine of the lab); agents that share one namespace cannot.
         self.nodus0 = nodus0 and machine.offering == "vm"
+        self.port_rules = port_rules  # on a private network: its rules are this agent's (G22)
         self.boot_id = str(uuid.uuid4())  # a simulated machine boots when its agent starts
         self.socks_endpoint = socks_endpoint or "127.0.0.1:1080"
         self.tunnel_buffer_limit_bytes = tunnel_buffer_limit_bytes
@@ -76,6 +79,7 @@ class Agent:
         self.members = bus.bucket(names.BUCKET_MEMBERS, Member)
         self.relayed: dict[str, RelayedMember] = {}  # joinkey key -> the Relayed dataplane
         self.direct: dict[str, DirectMember] = {}  # joinkey key -> the Direct dataplane
+        self.private: dict[str, PrivateMember] = {}  # joinkey key -> its private port rules
         self._wg_keys: dict[str, bytes] = {}  # "gang.epoch" -> this node's WireGuard key
         self._starting = TaskSet("agent dataplane start", log)
         self._tasks: list[asyncio.Task[None]] = []
@@ -137,11 +141,16 @@ class Agent:
         await cancel_and_wait(self._tasks)
         await self._starting.close()
         await self.gangs.close()
-        dataplanes: list[RelayedMember | DirectMember] = [*self.relayed.values()]
-        for runtime in [*dataplanes, *self.direct.values()]:
+        dataplanes: list[RelayedMember | DirectMember | PrivateMember] = [
+            *self.relayed.values(),
+            *self.direct.values(),
+            *self.private.values(),
+        ]
+        for runtime in dataplanes:
             await runtime.stop()
         self.relayed.clear()
         self.direct.clear()
+        self.private.clear()
 
     async def reboot(self, _: RebootRequest) -> RebootReply:
         """The simulated machine boots again (issue 6): a new boot id, registered again."""
@@ -184,9 +193,10 @@ class Agent:
                 left = self.joined.pop(change.key, None)
                 if left is not None:  # the epoch is fenced or deleted: its ranks stop (G9)
                     await self.gangs.stop_epoch(left.gang, left.epoch)
-                gone: list[RelayedMember | DirectMember | None] = [
+                gone: list[RelayedMember | DirectMember | PrivateMember | None] = [
                     self.relayed.pop(change.key, None),
                     self.direct.pop(change.key, None),
+                    self.private.pop(change.key, None),
                 ]
                 for runtime in gone:
                     if runtime is not None:
@@ -209,7 +219,8 @@ class Agent:
 
     async def _start_dataplane(self, key: str, joined: JoinedEpoch) -> None:
         """On the Relayed path: the tunnel through the relays and the SOCKS5 entry (G14); on
-        the Direct path: nodus0 and ICE with every peer (G7, G11)."""
+        the Direct path: nodus0 and ICE with every peer (G7, G11); on the Private path: the
+        port rules on the private network (G22)."""
         stored = await self.epochs.get(names.epoch_key(joined.gang, joined.epoch))
         if stored is None:
             return
@@ -226,6 +237,20 @@ class Agent:
                 self.direct.pop(key, None)
                 await direct.stop()
                 raise
+            return
+        if stored.value.path is PathClass.PRIVATE and self.port_rules:
+            private = PrivateMember(
+                PortRules(
+                    gang=joined.gang,
+                    epoch=joined.epoch,
+                    interface=member.interface,
+                    members=tuple(m.address for m in stored.value.members if m.node != self.node),
+                    rendezvous_port=int(member.env.get("MASTER_PORT", "29500")),
+                    ephemeral=ephemeral_range(),
+                )
+            )
+            await private.start()
+            self.private[key] = private
             return
         if stored.value.path is not PathClass.RELAYED:
             return

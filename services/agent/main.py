@@ -56,6 +56,14 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         "network namespace of this machine's own; `nodus up` without --netns turns it off)",
     )
     parser.add_argument(
+        "--port-rules",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a private network, open the rendezvous and NCCL ports to the gang's members "
+        "only while it runs (nftables; needs root and a network namespace of this machine's "
+        "own; `nodus up` without --netns turns it off)",
+    )
+    parser.add_argument(
         "--state-dir", type=Path, help="this machine's files (STATE_DIR/machines/NAME)"
     )
 
@@ -93,6 +101,7 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         args.tunnel_buffer_mib << 20,
         state_dir=args.state_dir,
         nodus0=args.nodus0,
+        port_rules=args.port_rules,
     )
     try:
         await agent.start()

@@ -28,6 +28,7 @@ from libs.client.client import Client
 from libs.contracts.jobs import ConditionType, Job, Phase
 from tests.e2e.daemon_logs import DaemonLogs
 from tests.factories import job
+from tests.integration.lab_programs import seen_by
 
 pytestmark = [
     pytest.mark.slow,
@@ -36,6 +37,10 @@ pytestmark = [
 
 L4 = {"count": 1, "backend": "cuda", "model": "L4"}
 MACHINES = [("vm-east", "lambda", "198.18.3.1", False), ("vm-west", "crusoe", "198.19.6.1", True)]
+# Three VMs on one provider's private network (another accelerator model, so the Direct jobs
+# never land there): a 2-member Private gang leaves one of them a non-member on its network.
+A10 = {"count": 1, "backend": "cuda", "model": "A10"}
+PRIVATE = [(f"vpc-{i}", f"198.18.7.{i}", f"198.18.107.{i}") for i in (1, 2, 3)]
 CUT = """table inet nodus_test_cut {
   chain out { type filter hook output priority filter; oifname "eth0" meta l4proto udp drop; }
   chain in { type filter hook input priority filter; iifname "eth0" meta l4proto udp drop; }
@@ -64,6 +69,23 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSystem]:
                         "accelerators": L4,
                     }
                     for name, provider, address, nat in MACHINES
+                ]
+                + [
+                    {
+                        "name": name,
+                        "provider": "aws",
+                        "region": "us-east-1",
+                        "regionClass": "us",
+                        "offering": "vm",
+                        "address": address,
+                        "privateNetwork": "vpc",
+                        "privateAddress": private,
+                        "privateInterface": "ens5",
+                        "pool": "a10",
+                        "cluster": "c",
+                        "accelerators": A10,
+                    }
+                    for name, address, private in PRIVATE
                 ]
             }
         )
@@ -260,3 +282,51 @@ def test_udp_blocked_from_the_start_replaces_direct_and_continues_auto_as_relaye
             system.lab.machine_argv(machine, ["nft", "delete", "table", "inet", "nodus_test_cut"]),
             check=False,
         )
+
+
+def test_private_ports_open_to_the_gang_s_members_only_while_it_runs(
+    system: LocalSystem, daemon_logs: DaemonLogs
+) -> None:
+    """G22: while a Private gang runs, a listener on an ephemeral port of a member's private
+    address takes the other member's connection and refuses the non-member's on the same
+    network; once the gang ended, the non-member's connection is taken (the rules went)."""
+    daemon_logs.watch(system.state_dir / "logs")
+    assert system.lab is not None
+    lab = system.lab
+    spec = job(
+        "on-the-vpc",
+        command=[sys.executable, "-c", "import time; time.sleep(25)"],
+        accelerators={"model": "A10"},
+        distributed={"members": 2, "transport": "Auto"},
+    )
+    running = _apply_and_wait(system, spec, {Phase.RUNNING}, 120)
+    gang = running.status.gang
+    assert gang is not None and gang.transport.value == "private", gang
+
+    async def members(client: Client) -> list[str]:
+        epoch = await client.epoch(running)
+        return sorted(m.node for m in epoch.members)
+
+    placed = _run(system, members)
+    assert isinstance(placed, list)
+    private = {name: address for name, _, address in PRIVATE}
+    outsider = next(name for name in private if name not in placed)
+    target, other = placed
+
+    def connect(client: str) -> str:
+        return seen_by(
+            lab.machine_argv(target, []),
+            private[target],
+            lab.machine_argv(client, []),
+            private[target],
+            port=40123,  # in the ephemeral range: where NCCL and Gloo listen
+        )
+
+    assert connect(other) == private[other]
+    assert connect(outsider) == "refused"
+    ended = _apply_and_wait(system, spec, {Phase.SUCCEEDED, Phase.FAILED}, 60, apply=False)
+    assert ended.status.phase is Phase.SUCCEEDED, ended.status.conditions
+    deadline = time.monotonic() + 15
+    while (seen := connect(outsider)) != private[outsider]:
+        assert time.monotonic() < deadline, f"still {seen} after the gang ended"
+        time.sleep(0.5)
