@@ -10,13 +10,13 @@ them.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.errors import NodusError
+from services.agent import nft
 
 log = logging.getLogger("nodus.agent.private")
 
@@ -69,29 +69,6 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-async def _nft(script: str, what: str) -> None:
-    try:
-        process = await asyncio.create_subprocess_exec(
-            "nft",
-            "-f",
-            "-",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-    except FileNotFoundError:
-        raise NodusError(
-            ErrorCode.ADDRESS_UNAVAILABLE,
-            f"{what}: nft is not installed (deploy/dev/system-deps.sh installs nftables)",
-        ) from None
-    _, stderr = await process.communicate(script.encode())
-    if process.returncode != 0:
-        raise NodusError(
-            ErrorCode.ADDRESS_UNAVAILABLE,
-            f"{what}: nftables refused: {stderr.decode(errors='replace').strip()}",
-        )
-
-
 class PrivateMember:
     """The Private path's dataplane is the provider's network; the agent's part is the rules."""
 
@@ -99,7 +76,7 @@ class PrivateMember:
         self.rules = rules
 
     async def start(self) -> None:
-        await _nft(self.rules.render(), "the private network's port rules")
+        await nft.apply(self.rules.render(), "the private network's port rules")
         log.info(
             "%s epoch %d: ports %d and %d-%d on %s open to %s only",
             self.rules.gang,
@@ -112,6 +89,6 @@ class PrivateMember:
 
     async def stop(self) -> None:
         try:
-            await _nft(self.rules.render_delete(), "removing the private network's port rules")
+            await nft.apply(self.rules.render_delete(), "removing the private network's port rules")
         except NodusError as error:  # the namespace went first, say
             log.warning("%s", error)

@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from libs.contracts.errors import ErrorCode, NodusError
+from services.agent import nft
 
 TABLE = "nodus_wgport"
+WHAT = "WireGuard's port rules"
 
 
 @dataclass(frozen=True)
@@ -57,23 +58,6 @@ def render(table: str, listen_port: int, mappings: dict[str, Mapping]) -> str:
     )
 
 
-async def _nft(script: str) -> None:
-    process = await asyncio.create_subprocess_exec(
-        "nft",
-        "-f",
-        "-",
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, stderr = await process.communicate(script.encode())
-    if process.returncode != 0:
-        raise NodusError(
-            ErrorCode.INTERNAL,
-            f"nftables refused WireGuard's port rules: {stderr.decode(errors='replace').strip()}",
-        )
-
-
 async def forget_flows(local_port: int) -> None:
     """Delete this namespace's conntrack entries of UDP flows from or to `local_port`: the
     checks' flows, whichever side began them."""
@@ -103,15 +87,15 @@ class PortMap:
         """Map `peer`; call it after the checks' socket closed and before WireGuard's
         endpoint for the peer is set."""
         self.mappings[peer] = mapping
-        await _nft(render(self.table, self.listen_port, self.mappings))
+        await nft.apply(render(self.table, self.listen_port, self.mappings), WHAT)
         # The checks' own flow still holds the port in this machine's conntrack; while it
         # does, the rewrite would pick another port, one the NAT never mapped.
         await forget_flows(mapping.local[1])
 
     async def remove(self, peer: str) -> None:
         if self.mappings.pop(peer, None) is not None:
-            await _nft(render(self.table, self.listen_port, self.mappings))
+            await nft.apply(render(self.table, self.listen_port, self.mappings), WHAT)
 
     async def close(self) -> None:
         self.mappings.clear()
-        await _nft(f"table ip {self.table} {{}}\ndelete table ip {self.table}\n")
+        await nft.apply(f"table ip {self.table} {{}}\ndelete table ip {self.table}\n", WHAT)

@@ -1,0 +1,31 @@
+"""nftables from the agent: one script, one transaction (`nft -f -`), and a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+
+from libs.contracts.errors import ErrorCode, NodusError
+
+
+async def apply(script: str, what: str) -> None:
+    """Apply `script` atomically; NodusError saying `what` failed, and why, otherwise."""
+    try:
+        process = await asyncio.create_subprocess_exec(
+            "nft",
+            "-f",
+            "-",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    except FileNotFoundError:
+        raise NodusError(
+            ErrorCode.ADDRESS_UNAVAILABLE,
+            f"{what}: nft is not installed (deploy/dev/system-deps.sh installs nftables)",
+        ) from None
+    _, stderr = await process.communicate(script.encode())
+    if process.returncode != 0:
+        raise NodusError(
+            ErrorCode.ADDRESS_UNAVAILABLE,
+            f"{what}: nftables refused: {stderr.decode(errors='replace').strip()}",
+        )
