@@ -67,8 +67,11 @@ def place(
     cfg: PlacerConfig | None = None,
     exclusions: Exclusions | None = None,
     mesh_id: str = "0" * 32,
+    measured: dict[PathClass, set[str]] | None = None,
 ) -> tuple[Plan | None, list[Shortfall]]:
-    plan, shortfalls = Planner(cfg or config()).plan(the_job, records, exclusions, mesh_id)
+    planner = Planner(cfg or config())
+    planner.measured = measured or {}
+    plan, shortfalls = planner.plan(the_job, records, exclusions, mesh_id)
     if plan is not None:
         problems = check_plan(plan, {r.inventory.node: r for r in records}, the_job)
         assert problems == [], problems

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from app.cli import daemons, jobs, repair, system
+from app.cli import daemons, jobs, qualify, repair, system
 from app.cli.common import Command, Kind, client_flags, output_flag, run_async
 
 GET_FORMATS = "json|yaml|jsonpath=... (default, or wide: a table; YAML for ranktables)"
@@ -42,7 +42,10 @@ def kinds_command(name: str, help: str, kinds: Sequence[Kind], get: bool) -> Com
 def commands() -> list[Command]:
     """Every command, in the order `nodus --help` lists them."""
     get = kinds_command(
-        "get", "list jobs or nodes, or show one job", [*jobs.GET_KINDS, *repair.GET_KINDS], True
+        "get",
+        "list jobs or nodes, or show one job",
+        [*jobs.GET_KINDS, *qualify.GET_KINDS, *repair.GET_KINDS],
+        True,
     )
     describe = kinds_command(
         "describe",
@@ -56,6 +59,7 @@ def commands() -> list[Command]:
         get,
         describe,
         *jobs.COMMANDS,
+        qualify.QUALIFY,
         system.SCHEMA,
         *daemons.JOB_DAEMONS,
         *repair.commands(),

@@ -31,6 +31,7 @@ CLIENT_BUCKETS = [
     names.BUCKET_EPOCHS,
     names.BUCKET_RANKTABLES,
     names.BUCKET_PROBES,
+    names.BUCKET_QUALIFICATIONS,
 ]
 
 

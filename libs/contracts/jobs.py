@@ -67,12 +67,31 @@ class Distributed(Record):
     transport: Transport = "Direct"
 
 
+# `offering` or `provider/offering`, `*` matching anything, joined by '+': one pair of machine
+# types (the placer's qualification table, `nodus qualify --offerings`).
+PairPattern = Annotated[
+    str, msgspec.Meta(pattern=r"^[a-z0-9*-]+(/[a-z0-9*-]+)?\+[a-z0-9*-]+(/[a-z0-9*-]+)?$")
+]
+
+
+class Qualify(Record):
+    """A qualification run (G21, `nodus qualify`): placed on one pair of machines of these
+    types, on this path only, whether or not the pair is qualified yet."""
+
+    path: PathClass
+    offerings: PairPattern
+
+
+QUALIFY_ORG = "nodus-system"  # where `nodus qualify` runs its jobs
+
+
 class JobSpec(Record):
     command: Annotated[list[str], msgspec.Meta(min_length=1)]
     distributed: Distributed
     env: dict[str, str] = {}
     image: Image = msgspec.field(default_factory=Image)
     accelerators: AcceleratorRequest = msgspec.field(default_factory=AcceleratorRequest)
+    qualify: Qualify | None = None  # only in the org QUALIFY_ORG
 
 
 class Condition(Record):

@@ -31,6 +31,7 @@ BUCKET_RANKS = "nodus-ranks"  # org.name.epoch.rank -> RankStatus
 # org.name.epoch.node.peer -> IceOffer: a Direct member's ICE offer to one peer (G11)
 BUCKET_ICE = "nodus-ice"
 BUCKET_PATHS = "nodus-paths"  # org.name.epoch.node -> MemberPaths (a Direct member's paths)
+BUCKET_QUALIFICATIONS = "nodus-qualifications"  # path.type.type -> Qualification (G21)
 
 ALL_BUCKETS = [
     BUCKET_JOBS,
@@ -48,6 +49,7 @@ ALL_BUCKETS = [
     BUCKET_RANKS,
     BUCKET_ICE,
     BUCKET_PATHS,
+    BUCKET_QUALIFICATIONS,
 ]
 
 # Usage stream: bytes members sent through relays, de-duplicated by message id (G17).

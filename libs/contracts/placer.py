@@ -9,16 +9,12 @@ import msgspec
 
 from libs.contracts.base import Record
 from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS
-from libs.contracts.jobs import MAX_MEMBERS, MIN_MEMBERS
-
-# `offering` or `provider/offering`, `*` matching anything, joined by '+': one qualified pair.
-PairPattern = Annotated[
-    str, msgspec.Meta(pattern=r"^[a-z0-9*-]+(/[a-z0-9*-]+)?\+[a-z0-9*-]+(/[a-z0-9*-]+)?$")
-]
+from libs.contracts.jobs import MAX_MEMBERS, MIN_MEMBERS, PairPattern
 
 
 class Qualified(Record):
-    """Offering combinations qualified per path (G21): every pair in a gang must match one."""
+    """Offering combinations qualified per path by the operator (G21), beside the measured ones
+    (`nodus qualify`, `nodus get qualifications`): every pair in a gang must match one."""
 
     private: list[PairPattern] = []
     direct: list[PairPattern] = []

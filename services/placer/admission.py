@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeRecord
-from libs.contracts.jobs import Job
+from libs.contracts.jobs import QUALIFY_ORG, Job
 from services.placer.environment import check_backend_names
 from services.placer.planner import Candidates, Planner, Shortfall
 
@@ -18,7 +18,7 @@ def check_static(job: Job, planner: Planner) -> None:
     """Rules that need no cluster view."""
     config = planner.config
     org = job.metadata.org
-    if not config.has_access(org):
+    if not config.has_access(org) and org != QUALIFY_ORG:  # the operators' own runs
         raise NodusError(
             ErrorCode.ACCESS_DENIED,
             f"org {org!r} has no access to distributed jobs, which are in beta behind per-org "
@@ -49,6 +49,20 @@ def check_static(job: Job, planner: Planner) -> None:
         )
     if job.spec.accelerators.backend is not None:
         check_backend_names(job, job.spec.accelerators.backend)
+    if job.spec.qualify is not None:
+        if org != QUALIFY_ORG:
+            raise NodusError(
+                ErrorCode.INVALID,
+                f"spec.qualify: qualification runs belong to the org {QUALIFY_ORG!r} "
+                "(`nodus qualify`), not to {org!r}",
+                field="$.spec.qualify",
+            )
+        if job.spec.distributed.members != 2:
+            raise NodusError(
+                ErrorCode.INVALID,
+                "spec.qualify: a qualification run measures one pair: members must be 2",
+                field="$.spec.distributed.members",
+            )
 
 
 def check_feasible(job: Job, planner: Planner, fleet: Iterable[NodeRecord] | Candidates) -> None:

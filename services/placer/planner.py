@@ -217,11 +217,21 @@ class Planner:
 
     def __init__(self, config: PlacerConfig) -> None:
         self.config = config
+        # Pairs of machine types measured per path (`nodus qualify`, nodus-qualifications):
+        # qualified beside the config's own table, which stays as the operator's override.
+        self.measured: dict[PathClass, set[str]] = {}
+
+    def qualified_patterns(self, job: Job, path: PathClass) -> list[str]:
+        if job.spec.qualify is not None:  # a qualification run: its own pair, measured now
+            return [job.spec.qualify.offerings]
+        return [*getattr(self.config.qualified, path.value), *sorted(self.measured.get(path, ()))]
 
     # -- which paths a job may use -------------------------------------------------------------
 
     def paths_for(self, job: Job) -> tuple[list[PathClass], list[Shortfall]]:
         distributed = job.spec.distributed
+        if job.spec.qualify is not None:  # G21: a qualification run measures one path
+            return [job.spec.qualify.path], []
         paths = [PathClass.PRIVATE, PathClass.DIRECT]
         shortfalls: list[Shortfall] = []
         if job.status.path_override is PathClass.RELAYED and distributed.transport == "Auto":
@@ -356,7 +366,7 @@ class Planner:
         mesh_id: str,
     ) -> tuple[Plan | None, Shortfall]:
         members = job.spec.distributed.members
-        patterns = getattr(self.config.qualified, path.value)
+        patterns = self.qualified_patterns(job, path)
         groups: dict[tuple[object, ...], list[NodeRecord]] = {}
         tried: dict[tuple[object, ...], int] = {}  # group -> size when last searched
         usable = capable = fitting = 0
@@ -364,7 +374,9 @@ class Planner:
         needs = derive(path, members)  # C3: the plan's derived needs, from the one formula
         # G6: Relayed is for a member without a network device, or (G12) a failed direct path.
         needs_container = (
-            path is PathClass.RELAYED and job.status.path_override is not PathClass.RELAYED
+            path is PathClass.RELAYED
+            and job.status.path_override is not PathClass.RELAYED
+            and job.spec.qualify is None
         )
         budget = [SEARCH_BUDGET]
         for record in self._records_for(job, path, candidates):
@@ -545,7 +557,11 @@ class Planner:
             )
         if not patterns:
             return Shortfall(
-                path, ErrorCode.NOT_QUALIFIED, f"{path.value}: no offering combination is qualified"
+                path,
+                ErrorCode.NOT_QUALIFIED,
+                f"{path.value}: no offering combination is qualified (none measured: "
+                f"`nodus qualify --path {path.value}`; none in the placer config's "
+                "`qualified` override)",
             )
         return Shortfall(
             path,
@@ -631,6 +647,7 @@ def check_plan(plan: Plan, records: dict[str, NodeRecord], job: Job) -> list[str
         if (
             all(inv.offering == "vm" for inv in inventories)
             and job.status.path_override is not PathClass.RELAYED
+            and job.spec.qualify is None  # measuring Relayed between VMs is allowed
         ):
             problems.append("Relayed gang of VMs only: it should be Direct (G6)")
     if plan.path is PathClass.DIRECT:

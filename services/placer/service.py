@@ -42,6 +42,7 @@ from libs.contracts.jobs import (
     with_condition,
 )
 from libs.contracts.placer import PlacerConfig
+from libs.contracts.qualify import Qualification
 from libs.mesh import MeshIdentity
 from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.runtime.version import VERSION
@@ -93,6 +94,7 @@ class Placer:
         self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
         self.joinkeys = bus.bucket(names.BUCKET_JOINKEYS, JoinKeyGrant)
         self.ranktables = bus.bucket(names.BUCKET_RANKTABLES, Ranktable)
+        self.qualifications = bus.bucket(names.BUCKET_QUALIFICATIONS, Qualification)
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._queued: set[str] = set()
         self._waiting: set[str] = set()  # admitted, no capacity yet
@@ -119,6 +121,7 @@ class Placer:
         await asyncio.gather(*(event.wait() for event in caught_up))
         self._tasks += [
             asyncio.create_task(self._watch_jobs()),
+            asyncio.create_task(self._watch_qualifications()),
             asyncio.create_task(self._worker()),
             asyncio.create_task(self._sweeper()),
             asyncio.create_task(follow_cordons(self.bus, self.view, self._capacity_changed)),
@@ -230,6 +233,22 @@ class Placer:
             self.view.set_lease(change.key, change.value, now())
             if change.value is None:
                 self._capacity_changed()
+
+    async def _watch_qualifications(self) -> None:
+        """G21: the pairs `nodus qualify` measured are qualified for their path from now on;
+        one that failed its run is not (and a later failure takes the pair back)."""
+        measured: dict[str, Qualification] = {}
+        async for change in self.qualifications.watch():
+            if change.value is None:
+                measured.pop(change.key, None)
+            else:
+                measured[change.key] = change.value
+            self.planner.measured = {}
+            for record in measured.values():
+                if record.ok:
+                    self.planner.measured.setdefault(record.path, set()).add(record.pair)
+            self._feasible_cache.clear()
+            self._capacity_changed()
 
     async def _watch_jobs(self) -> None:
         """Another replica's Pending job is taken over once it has waited `takeover_seconds`."""

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import yaml
@@ -330,3 +331,43 @@ def test_private_ports_open_to_the_gang_s_members_only_while_it_runs(
     while (seen := connect(outsider)) != private[outsider]:
         assert time.monotonic() < deadline, f"still {seen} after the gang ended"
         time.sleep(0.5)
+
+
+def test_nodus_qualify_measures_a_pair_and_records_it(
+    system: LocalSystem, daemon_logs: DaemonLogs
+) -> None:
+    """G21: `nodus qualify` runs the probe and the example all-reduce on a pair of machines
+    of the types asked for, on that path, and `nodus get qualifications` shows the run."""
+    daemon_logs.watch(system.state_dir / "logs")
+    nodus = str(Path(sys.executable).parent / "nodus")
+    bus = ["--nats", system.url]
+    done = subprocess.run(
+        [
+            nodus,
+            "qualify",
+            "--path",
+            "direct",
+            "--offerings",
+            "lambda/vm+crusoe/vm",
+            "--mib",
+            "8",
+            "-o",
+            "json",
+            *bus,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads(done.stdout)
+    assert record["ok"] and record["path"] == "direct", record
+    assert record["pair"] == "crusoe/vm+lambda/vm"
+    assert sorted(record["machines"]) == sorted(name for name, *_ in MACHINES)
+    assert record["tcpGbps"] > 0 and record["rttMs"] > 0 and record["allreduceBusGbps"] > 0
+    shown = subprocess.run(
+        [nodus, "get", "qualifications", *bus], capture_output=True, text=True, timeout=30
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "crusoe/vm+lambda/vm" in shown.stdout and "yes" in shown.stdout, shown.stdout
