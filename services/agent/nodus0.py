@@ -74,7 +74,12 @@ class Nodus0:
         if binary is None:
             raise _fail("wireguard-go is not installed (deploy/dev/system-deps.sh)")
         if device_exists(self.name):
-            raise _fail("a device of that name exists already on this machine")
+            # One nodus0 per machine, and it is the agent's: one still here was left by an
+            # agent that died (its wireguard-go lives on). Deleting the link ends that
+            # wireguard-go, and with it the old epoch's keys and peers.
+            log.warning("%s left by an earlier agent: deleting it", self.name)
+            await _run("ip", "link", "delete", self.name)
+            self.socket.unlink(missing_ok=True)
         env = {
             **os.environ,
             "WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD": "1",

@@ -137,3 +137,30 @@ def test_two_machines_talk_over_nodus0_and_the_device_goes_when_closed(lab: NetL
         assert state["handshake"] > 0 and state["port"] == 51820 and state["gone"]
     assert states[0]["tx"] > len(block) * 4096  # ciphertext and headers: more than the payload
     assert states[1]["rx"] > len(block) * 4096
+
+
+LEFTOVER = """
+import asyncio, os, subprocess, time
+from services.agent.nodus0 import Nodus0, device_exists
+
+# An agent that died left its wireguard-go and nodus0 behind.
+env = {**os.environ, "WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD": "1"}
+orphan = subprocess.Popen(["wireguard-go", "-f", "nodus0"], env=env)
+while not device_exists("nodus0"):
+    time.sleep(0.02)
+
+async def main():
+    device = Nodus0()
+    await device.create("100.64.0.9", 24)
+    address = subprocess.run(["ip", "-o", "-4", "addr", "show", "dev", "nodus0"],
+                             capture_output=True, text=True).stdout
+    await device.close()
+    print("100.64.0.9/24" in address, orphan.wait(timeout=5) is not None, device_exists("nodus0"))
+
+asyncio.run(main())
+"""
+
+
+def test_a_nodus0_left_by_a_dead_agent_is_replaced(lab: NetLab) -> None:
+    out = run_python(lab.machine_argv("aws-a", []), LEFTOVER, timeout=20)
+    assert out == "True True False", out
