@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
+from nats.errors import Error as NatsError
 from prometheus_client import Counter, Gauge
 
 from libs.bus import Bus
@@ -192,6 +193,7 @@ class DirectMember:
     async def stop(self) -> None:
         await self._pairs.close()
         await self._tasks.close()
+        await self._forget_records()
         if self._heartbeats is not None:
             self._heartbeats.close()
         if self.fallback is not None:
@@ -206,6 +208,18 @@ class DirectMember:
                 PAIR_PATH.remove(self.node, peer)
             except KeyError:  # never set
                 pass
+
+    async def _forget_records(self) -> None:
+        """This member's offers and paths: the epoch is over for it, and nobody reads them."""
+        keys = [names.ice_key(self.epoch.gang, self.epoch.epoch, self.node, p) for p in self.pairs]
+        try:
+            for key in keys:
+                await self.offers.delete(key)
+            await self.published.delete(
+                names.member_key(self.epoch.gang, self.epoch.epoch, self.node)
+            )
+        except (NodusError, NatsError, OSError, TimeoutError) as error:  # the bus is away
+            log.info("%s epoch %d: its records stay: %s", self.epoch.gang, self.epoch.epoch, error)
 
     # -- peers -------------------------------------------------------------------------------
 
