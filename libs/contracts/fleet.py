@@ -50,6 +50,7 @@ class AcceleratorDevice(Record):
     name: str  # backend-derived: CUDA0, ROCm0 (C5)
     numa_node: int = 0
     pcie_bus_id: str = ""
+    memory_mib: int = 0  # discovered machines (O1); 0 when not known
 
 
 class Accelerators(Record):
@@ -59,6 +60,8 @@ class Accelerators(Record):
     collectives: Literal["nccl", "rccl"]
     visible_devices_var: Literal["CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"]
     devices: list[AcceleratorDevice] = []
+    driver_version: str = ""  # discovered machines (O1)
+    runtime_version: str = ""  # CUDA or ROCm
 
 
 class Inventory(Record):

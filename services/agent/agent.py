@@ -30,7 +30,7 @@ from libs.runtime.version import VERSION as AGENT_VERSION
 from libs.wg import generate_private_key, key_to_base64, public_key
 from services.agent.direct import DirectMember
 from services.agent.gangwork import GangWork
-from services.agent.inventory import capabilities_of, inventory_of
+from services.agent.inventory import Described, capabilities_of, inventory_of
 from services.agent.member import RelayedMember
 from services.agent.private import PortRules, PrivateMember, ephemeral_range
 
@@ -50,7 +50,7 @@ class Agent:
     def __init__(
         self,
         bus: Bus,
-        machine: Machine,
+        machine: Machine | Described,
         heartbeat_seconds: float = HEARTBEAT_TIMEOUT_SECONDS / HEARTBEATS_PER_TIMEOUT,
         socks_endpoint: str = "",
         tunnel_buffer_limit_bytes: int = 64 << 20,
@@ -59,12 +59,15 @@ class Agent:
         port_rules: bool = False,
     ) -> None:
         self.bus = bus
-        self.machine = machine
-        self.node = machine.name
+        if isinstance(machine, Machine):  # a machine of the fleet file (the lab)
+            self.inventory, self.capabilities = inventory_of(machine), capabilities_of(machine)
+        else:  # a machine that described itself (O1)
+            self.inventory, self.capabilities = machine.inventory, machine.capabilities
+        self.node = self.inventory.node
         self.heartbeat_seconds = heartbeat_seconds
         # Direct epochs get a nodus0 here: a VM's agent with its own network namespace (a
         # machine, or a machine of the lab); agents that share one namespace cannot.
-        self.nodus0 = nodus0 and machine.offering == "vm"
+        self.nodus0 = nodus0 and self.inventory.offering == "vm"
         self.port_rules = port_rules  # on a private network: its rules are this agent's (G22)
         self.boot_id = str(uuid.uuid4())  # a simulated machine boots when its agent starts
         self.socks_endpoint = socks_endpoint or "127.0.0.1:1080"
@@ -101,9 +104,9 @@ class Agent:
 
     def record(self) -> NodeRecord:
         return NodeRecord(
-            inventory=inventory_of(self.machine),
+            inventory=self.inventory,
             agent_version=AGENT_VERSION,
-            capabilities=capabilities_of(self.machine),
+            capabilities=self.capabilities,
             registered_time=now(),
             boot_id=self.boot_id,
             socks_endpoint=self.socks_endpoint,
@@ -228,7 +231,7 @@ class Agent:
         wg_private = self._wg_keys[f"{joined.gang}.{joined.epoch}"]
         if stored.value.path is PathClass.DIRECT and self.nodus0:
             direct = DirectMember(
-                self.bus, stored.value, member, wg_private, underlay=self.machine.address
+                self.bus, stored.value, member, wg_private, underlay=self.inventory.address
             )
             self.direct[key] = direct  # the probe may ask for its paths while it starts
             try:

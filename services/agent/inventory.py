@@ -1,8 +1,10 @@
-"""What this machine is (T1): read from the fleet file for machines `nodus up` simulates."""
+"""What this machine is (T1): read from the fleet file for the machines of the lab (`nodus up`);
+a real machine describes itself (services/agent/discover.py)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from libs.contracts.fleet import (
@@ -11,9 +13,15 @@ from libs.contracts.fleet import (
     Inventory,
     Machine,
 )
+from libs.discovery.machine import BASE_CAPABILITIES
 
-# What this agent implements; the placer refuses plans needing more (C6).
-BASE_CAPABILITIES = ["register", "heartbeat", "join-epoch"]
+
+@dataclass(frozen=True)
+class Described:
+    """A machine that described itself: its inventory and the capabilities it has."""
+
+    inventory: Inventory
+    capabilities: list[str]
 
 
 def network_namespace() -> str:

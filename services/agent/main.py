@@ -11,9 +11,36 @@ from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS, HEARTBEATS_PER_TIMEOUT
 from libs.contracts.errors import ErrorCode, NodusError
-from libs.contracts.fleet import load_fleet
+from libs.contracts.fleet import Machine, load_fleet
+from libs.discovery.gpus import DiscoveryError
 from libs.runtime import add_common_flags, run_daemon
 from services.agent.agent import Agent
+from services.agent.discover import MACHINE_FILE, discover, load_facts
+from services.agent.inventory import Described
+
+
+def _machine(args: argparse.Namespace) -> Machine | Described:
+    if args.fleet is not None:
+        fleet = load_fleet(args.fleet)
+        machine = next((m for m in fleet.machines if m.name == args.node), None)
+        if machine is None:
+            raise NodusError(ErrorCode.NOT_FOUND, f"machine {args.node} is not in {args.fleet}")
+        return machine
+    overrides = {
+        "provider": args.provider,
+        "region": args.region,
+        "regionClass": args.region_class,
+        "pool": args.pool,
+        "cluster": args.cluster,
+        "interface": args.interface,
+        "privateNetwork": args.private_network,
+        "privateInterface": args.private_interface,
+    }
+    try:
+        facts = load_facts(args.machine_file, overrides)
+        return Described(*discover(args.node, facts))
+    except (DiscoveryError, NodusError) as error:
+        raise NodusError(ErrorCode.INVALID, f"this machine cannot be described: {error}") from None
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -23,12 +50,29 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         "join keys name."
     )
     add_common_flags(parser, metrics_port=0)
-    parser.add_argument("--node", required=True, help="this machine's name in the fleet file")
+    parser.add_argument("--node", required=True, help="this machine's name")
+    fleet = os.environ.get("NODUS_FLEET")
     parser.add_argument(
         "--fleet",
         type=Path,
-        default=Path(os.environ.get("NODUS_FLEET", "examples/fleet.yaml")),
-        help="fleet file that describes this machine (env NODUS_FLEET)",
+        default=Path(fleet) if fleet else None,
+        help="the lab only: a fleet file that describes this machine (env NODUS_FLEET); "
+        "without one the agent describes its own machine (O1)",
+    )
+    facts = parser.add_argument_group(
+        "what the platform must be told of this machine (without --fleet; each also a key of "
+        f"{MACHINE_FILE}, the flag winning)"
+    )
+    facts.add_argument("--provider")
+    facts.add_argument("--region")
+    facts.add_argument("--region-class", help="default: the region")
+    facts.add_argument("--pool")
+    facts.add_argument("--cluster")
+    facts.add_argument("--interface", help="the underlay interface; default: the default route's")
+    facts.add_argument("--private-network", help="the provider's private network it is on")
+    facts.add_argument("--private-interface", help="the private network's interface")
+    facts.add_argument(
+        "--machine-file", type=Path, default=MACHINE_FILE, help="the machine facts file"
     )
     parser.add_argument(
         "--heartbeat-seconds",
@@ -69,10 +113,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 
 async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    fleet = load_fleet(args.fleet)
-    machine = next((m for m in fleet.machines if m.name == args.node), None)
-    if machine is None:
-        raise NodusError(ErrorCode.NOT_FOUND, f"machine {args.node} is not in {args.fleet}")
+    machine = _machine(args)
     if args.state_dir:
         args.state_dir.mkdir(parents=True, exist_ok=True)
     bus = await Bus.open(
