@@ -8,13 +8,17 @@ and the Direct path, machines behind NAT punch through it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import yaml
 
 import libs
 from app.netlab import CONTROL_ADDRESS, NetLab, in_namespace, plan
@@ -51,9 +55,12 @@ class LocalSystem:
     extra_env: dict[str, str] = field(default_factory=dict)
     # Extra flags for every relay (benchmarks: `--no-rate-limit`); none by default.
     relay_args: list[str] = field(default_factory=list)
-    # Prometheus /metrics on 127.0.0.1 for every agent and relay (tests read gauges such as
-    # nodus_agent_tunnel_streams); the ports by child name in `metrics_ports`.
-    metrics: bool = False
+    # Prometheus /metrics for every daemon (O2), listed in STATE_DIR/prometheus/targets.json
+    # (file_sd, a `job` label per kind of daemon); the ports by child name in `metrics_ports`.
+    metrics: bool = True
+    # Debian's Prometheus on targets.json, at 127.0.0.1:`prometheus_port` (0: a free one).
+    prometheus: bool = False
+    prometheus_port: int = 0
     metrics_ports: dict[str, int] = field(default_factory=dict)
     netns: bool = False
     nats: NatsServer | None = None
@@ -78,10 +85,21 @@ class LocalSystem:
             return self.lab.machine_argv(name.removeprefix("agent-"), [])
         return in_namespace(self.lab.topology.control, [])
 
-    def _spawn(self, name: str, args: list[str], metrics: bool = False) -> Child:
-        if metrics and self.metrics and self.lab is None:
+    def _metrics_host(self, name: str) -> str:
+        """Where a daemon serves /metrics: loopback, or in the lab its namespace's address
+        (the control namespace's for the services; an agent's machine address)."""
+        if self.lab is None:
+            return "127.0.0.1"
+        if name.startswith("agent-") and self.fleet is not None:
+            machine = name.removeprefix("agent-")
+            return next(m.address for m in self.fleet.machines if m.name == machine)
+        return str(CONTROL_ADDRESS)
+
+    def _spawn(self, name: str, args: list[str]) -> Child:
+        if self.metrics and "--metrics-port" not in args:
             port = self.metrics_ports.setdefault(name, free_port())
-            args = [*args, "--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
+            host = self._metrics_host(name)
+            args = [*args, "--metrics-port", str(port), "--metrics-host", host]
         logs = self.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{name}.log"
@@ -123,7 +141,7 @@ class LocalSystem:
                 old.process.wait()
         index = self.children.index(old)
         self.children.remove(old)
-        new = self._spawn(name, old.args)  # the args already hold any --metrics-port
+        new = self._spawn(name, old.args)  # the args hold its --metrics-port: targets stand
         self.children.remove(new)
         self.children.insert(index, new)
         return new
@@ -178,7 +196,6 @@ class LocalSystem:
                     *stun,
                     *self.relay_args,
                 ],
-                metrics=True,
             )
 
     def start_agent(self, machine: str, socks_port: int) -> Child:
@@ -200,7 +217,6 @@ class LocalSystem:
                 # nor rules of their own for their private addresses.
                 *([] if self.lab is not None else ["--no-nodus0", "--no-port-rules"]),
             ],
-            metrics=True,
         )
 
     def start_remediation(self, replicas: int = 1) -> None:
@@ -273,12 +289,84 @@ class LocalSystem:
             for machine in self.fleet.machines:
                 self.machine_dir(machine.name).mkdir(parents=True, exist_ok=True)
                 self.start_agent(machine.name, free_port())
+            self.write_targets()
+            if self.prometheus:
+                self.start_prometheus()
             await self._wait_ready(bus, timeout)
         except BaseException:
             await bus.close()
             self.stop()
             raise
         await bus.close()
+
+    def write_targets(self) -> Path:
+        """STATE_DIR/prometheus/targets.json: every daemon's /metrics, as Prometheus's
+        file-based discovery reads it, `job` the daemon's kind (placer, prober, relay, agent,
+        remediator, monitor) and `daemon` its name."""
+        groups = [
+            {
+                "targets": [f"{self._metrics_host(name)}:{port}"],
+                "labels": {"job": name.split("-", 1)[0], "daemon": name},
+            }
+            for name, port in sorted(self.metrics_ports.items())
+        ]
+        directory = self.state_dir / "prometheus"
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / "targets.json"
+        scratch = path.with_suffix(".tmp")  # Prometheus never reads a half-written file
+        scratch.write_text(json.dumps(groups, indent=2) + "\n")
+        scratch.replace(path)
+        return path
+
+    @property
+    def prometheus_host(self) -> str:
+        return str(CONTROL_ADDRESS) if self.lab is not None else "127.0.0.1"
+
+    def start_prometheus(self) -> Child:
+        """Debian's Prometheus scraping targets.json every 5 s (`nodus up --prometheus`)."""
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise NodusError(
+                ErrorCode.NOT_FOUND,
+                "prometheus is not installed (deploy/dev/system-deps.sh installs Debian's)",
+            )
+        directory = (self.state_dir / "prometheus").resolve()
+        config = directory / "prometheus.yml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
+                    "scrape_configs": [
+                        {
+                            "job_name": "nodus",
+                            "file_sd_configs": [
+                                {
+                                    "files": [str(directory / "targets.json")],
+                                    "refresh_interval": "5s",
+                                }
+                            ],
+                        }
+                    ],
+                }
+            )
+        )
+        self.prometheus_port = self.prometheus_port or free_port()
+        argv = [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={directory / 'data'}",
+            f"--web.listen-address={self.prometheus_host}:{self.prometheus_port}",
+        ]
+        if self.lab is not None:  # the lab's daemons are reached from its control namespace
+            argv = in_namespace(self.lab.topology.control, argv)
+        log_path = self.state_dir / "logs" / "prometheus.log"
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        child = Child("prometheus", process, log_path, [])
+        self.children.append(child)
+        return child
 
     async def _wait_ready(self, bus: Bus, timeout: float) -> None:
         assert self.fleet is not None

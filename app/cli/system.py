@@ -26,6 +26,12 @@ def _up_flags(parser: argparse.ArgumentParser) -> None:
         "private networks as the fleet says (root; e.g. examples/fleet-netns.yaml): VMs get "
         "nodus0 and the Direct path",
     )
+    parser.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="also run Debian's Prometheus on STATE_DIR/prometheus/targets.json (every daemon "
+        "serves /metrics; the file is written either way)",
+    )
 
 
 async def _up(args: argparse.Namespace) -> int:
@@ -37,6 +43,7 @@ async def _up(args: argparse.Namespace) -> int:
         nats_port=args.nats_port,
         placers=args.placers,
         netns=args.netns,
+        prometheus=args.prometheus,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -46,6 +53,11 @@ async def _up(args: argparse.Namespace) -> int:
         await system.start()
         assert system.fleet is not None
         print(f"NODUS_NATS_URL={system.url}", flush=True)
+        if system.prometheus:
+            print(
+                f"NODUS_PROMETHEUS_URL=http://{system.prometheus_host}:{system.prometheus_port}",
+                flush=True,
+            )
         print(
             f"# {len(system.fleet.machines)} machines, {args.placers} placer(s); "
             f"logs in {args.state_dir / 'logs'}; Ctrl-C stops everything",
