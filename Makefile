@@ -8,7 +8,7 @@ TORCH_STAMP := $(VENV)/.installed-torch
 # e.g. `make test TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
 TORCH_INDEX ?=
 
-.PHONY: demo test test-fast lint bench clean system-deps netshim
+.PHONY: demo test test-fast lint bench clean system-deps netshim dashboards
 
 system-deps:
 	./deploy/dev/system-deps.sh
@@ -38,6 +38,9 @@ test: system-deps $(STAMP) $(TORCH_STAMP) netshim
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -m 'not slow'
+
+dashboards: $(STAMP)
+	$(BIN)/python -m app.observability
 
 lint: $(STAMP)
 	$(BIN)/ruff check app libs services tests

@@ -30,6 +30,7 @@ from libs.contracts.fleet import Fleet, NodeHealth, NodeRecord, load_fleet
 from libs.contracts.relay import RelayRecord
 
 REPO = Path(libs.__file__).resolve().parent.parent
+RULES = REPO / "deploy" / "prometheus" / "rules" / "nodus.yml"  # the alert rules (O3)
 DEFAULT_FLEET = REPO / "examples" / "fleet.yaml"
 SHIM_PATH = REPO / "netshim" / "build" / "libnodus-netshim.so"
 
@@ -336,6 +337,7 @@ class LocalSystem:
             yaml.safe_dump(
                 {
                     "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
+                    "rule_files": [str(RULES)],
                     "scrape_configs": [
                         {
                             "job_name": "nodus",

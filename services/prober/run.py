@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Literal
 
 import msgspec
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from libs.bus import Bus
 from libs.bus.kv import Bucket
@@ -39,6 +39,12 @@ log = logging.getLogger("nodus.prober")
 USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (1 s) plus delivery
 
 RUNS = Counter("nodus_prober_runs_total", "Gang runs by outcome", ["outcome"])
+JOBS = Gauge("nodus_prober_jobs", "Jobs by phase, as the gang's run sees them", ["phase"])
+DEGRADED = Gauge(
+    "nodus_prober_network_degraded",
+    "1 while some pair of a running gang goes through the relays (NetworkDegraded)",
+    ["gang"],
+)
 
 
 class GangRun:
@@ -55,6 +61,7 @@ class GangRun:
     async def start(self) -> None:
         self.tasks.spawn(self._watch_ranks(), name="watch-ranks")
         self.tasks.spawn(self._watch_paths(), name="watch-paths")
+        self.tasks.spawn(self._count_phases(), name="count-phases")
 
     async def stop(self) -> None:
         await self.tasks.close()
@@ -114,6 +121,16 @@ class GangRun:
                     name=f"conclude {status.gang}.{status.epoch}",
                 )
 
+    async def _count_phases(self) -> None:
+        phases: dict[str, Phase] = {}
+        async for change in self.jobs.watch():
+            if change.value is None:
+                phases.pop(change.key, None)
+            else:
+                phases[change.key] = change.value.status.phase
+            for phase in Phase:
+                JOBS.labels(phase.value).set(sum(1 for p in phases.values() if p is phase))
+
     async def _watch_paths(self) -> None:
         async for change in self.paths.watch():
             paths = change.value
@@ -146,6 +163,7 @@ class GangRun:
                 return status
             return with_condition(status, ConditionType.NETWORK_DEGRADED, state, reason, message, t)
 
+        DEGRADED.labels(gang).set(1 if slow else 0)
         if found and await update_job(self.jobs, gang, epoch, degraded, {Phase.RUNNING}):
             log.info("%s epoch %d: NetworkDegraded=%s: %s", gang, epoch, state, message)
 
