@@ -1,0 +1,82 @@
+"""deploy/ validates: the Kubernetes manifests against the API schemas, offline
+(kubernetes-validate); the NATS chart values ask for three replicas, JetStream on disk and TLS;
+every daemon has a systemd unit that systemd accepts and whose sandbox systemd rates OK."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DAEMONS = ["placer", "prober", "relay", "agent", "remediator", "monitor"]
+MOST_EXPOSED = 5.0  # systemd-analyze security: up to 5.0 is "OK"
+
+
+def _manifests() -> list[tuple[str, dict[str, Any]]]:
+    found = []
+    for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
+        if path.name == "nats-values.yaml":
+            continue
+        found += [(path.name, doc) for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return found
+
+
+def test_every_manifest_is_valid_for_kubernetes() -> None:
+    version = kubernetes_validate.utils.latest_version()
+    manifests = _manifests()
+    kinds = {(str(doc["kind"]), str(doc["metadata"]["name"])) for _, doc in manifests}
+    for component in ("placer", "prober", "remediator", "relay"):
+        assert ("Deployment", f"nodus-{component}") in kinds
+    assert ("DaemonSet", "nodus-agent") in kinds
+    for name, doc in manifests:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            raise AssertionError(
+                f"{name}: {doc['kind']} {doc['metadata']['name']}: {error}"
+            ) from None
+
+
+def test_relays_spread_across_zones_and_services_run_replicas() -> None:
+    by_name = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    relay = by_name[("Deployment", "nodus-relay")]["spec"]
+    spread = relay["template"]["spec"]["topologySpreadConstraints"]
+    assert any(c["topologyKey"] == "topology.kubernetes.io/zone" for c in spread)
+    for component in ("placer", "prober", "remediator"):
+        assert by_name[("Deployment", f"nodus-{component}")]["spec"]["replicas"] >= 2
+
+
+def test_the_nats_chart_values_ask_for_a_tls_cluster_of_three_with_jetstream() -> None:
+    values = yaml.safe_load((DEPLOY / "kubernetes" / "nats-values.yaml").read_text())["config"]
+    assert values["cluster"]["enabled"] and values["cluster"]["replicas"] == 3
+    assert values["cluster"]["tls"]["enabled"] and values["nats"]["tls"]["enabled"]
+    assert values["jetstream"]["enabled"] and values["jetstream"]["fileStore"]["enabled"]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+def test_every_daemon_has_a_unit_systemd_accepts_and_rates_ok(tmp_path: Path) -> None:
+    units = sorted((DEPLOY / "systemd").glob("*.service"))
+    assert sorted(u.stem.removeprefix("nodus-") for u in units) == sorted(DAEMONS)
+    nodus = str(Path(sys.executable).parent / "nodus")  # the units name /opt/nodus/bin/nodus
+    for unit in units:
+        (tmp_path / unit.name).write_text(unit.read_text().replace("/opt/nodus/bin/nodus", nodus))
+    copies = [str(tmp_path / u.name) for u in units]
+    verified = subprocess.run(
+        ["systemd-analyze", "verify", *copies], capture_output=True, text=True
+    )
+    assert verified.returncode == 0, verified.stderr
+    for copy in copies:
+        rated = subprocess.run(
+            ["systemd-analyze", "security", "--offline=true", copy], capture_output=True, text=True
+        )
+        match = re.search(r"Overall exposure level for \S+: ([0-9.]+)", rated.stdout)
+        assert match is not None, rated.stdout[-500:] + rated.stderr
+        assert float(match.group(1)) <= MOST_EXPOSED, (copy, match.group(0))
