@@ -46,6 +46,11 @@ class Connection:
         self.heard = time.monotonic()  # when the peer last sent anything
         self.silent = False  # ended by `keep_alive`: the peer fell silent
         writer.transport.set_write_buffer_limits(high=HIGH_WATER)
+        # The stream's "closed" future holds the reset that ended it. Reads get the same
+        # error and handle it; nothing else awaits this future, so asyncio would log it at
+        # exit as "never retrieved": take it here.
+        closed = asyncio.ensure_future(writer.wait_closed())
+        closed.add_done_callback(_taken)
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -171,6 +176,11 @@ class Connection:
         """Drop the connection now, without flushing (a relay that is told to die)."""
         self.closed = True
         self.writer.transport.abort()
+
+
+def _taken(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def split_address(address: str) -> tuple[str, int]:
