@@ -12,6 +12,7 @@ import pytest
 
 from libs.contracts.base import now
 from libs.contracts.fleet import NodeRecord
+from libs.contracts.jobs import PathClass
 from libs.discovery.gpus import (
     DiscoveryError,
     model_of,
@@ -29,7 +30,7 @@ from libs.discovery.machine import (
 )
 from services.placer.planner import Planner
 from tests.factories import job
-from tests.planner_support import config
+from tests.planner_support import config, must_place
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "discovery"
 IP_ADDR = json.dumps(
@@ -115,6 +116,41 @@ def test_an_eight_gpu_machine_becomes_the_inventory_the_placer_needs() -> None:
     )
     wanted = job(accelerators={"count": 8, "model": "MI300X"}, distributed={"members": 2})
     assert Planner(config()).eligible(wanted, record)
+
+
+def test_discovered_machines_are_placed_like_fleet_ones() -> None:
+    """Two machines that described themselves, on one private network: a Private gang."""
+    report = parse_nvidia_smi_xml((FIXTURES / "nvidia-smi-q-x-8xH100.xml").read_text())
+    facts = MachineFacts(
+        provider="aws",
+        region="us-east-1",
+        region_class="us",
+        private_network="vpc",
+        private_interface="ens5",
+    )
+    records = []
+    for index in (1, 2):
+        ip = IP_ADDR.replace("198.18.9.4", f"198.18.9.{index}").replace(
+            "198.18.109.4", f"198.18.109.{index}"
+        )
+        inventory, capabilities = inventory_from(
+            f"h100-{index}", facts, parse_ip_addr(ip), "eth0", report, VM, {}, "ns"
+        )
+        records.append(
+            NodeRecord(
+                inventory=inventory,
+                agent_version="t",
+                capabilities=capabilities,
+                registered_time=now(),
+            )
+        )
+    wanted = job(
+        accelerators={"count": 8, "model": "H100"}, distributed={"members": 2, "transport": "Auto"}
+    )
+    plan = must_place(wanted, records)
+    assert plan.path is PathClass.PRIVATE
+    assert sorted(m.address for m in plan.members) == ["198.18.109.1", "198.18.109.2"]
+    assert {m.interface for m in plan.members} == {"ens5"}
 
 
 def test_nvidia_numa_nodes_come_from_sysfs_and_names_from_the_backend() -> None:
