@@ -14,6 +14,7 @@ import msgspec
 
 from libs.contracts.base import Name, Record
 from libs.contracts.fleet import AcceleratorDevice, Accelerators, Inventory
+from libs.contracts.jobs import Backend
 from libs.discovery.gpus import DiscoveryError, GpuReport, model_of
 
 # What every agent implements; the placer refuses plans needing more (C6).
@@ -131,31 +132,53 @@ def inventory_from(
     )
 
 
+def accelerators(
+    backend: Backend,
+    model: str,
+    devices: list[AcceleratorDevice],
+    driver_version: str = "",
+    runtime_version: str = "",
+) -> Accelerators:
+    """What follows from the backend (C5): the collectives, the visible-devices variable."""
+    return Accelerators(
+        count=len(devices),
+        backend=backend,
+        model=model,
+        collectives="nccl" if backend == "cuda" else "rccl",
+        visible_devices_var="CUDA_VISIBLE_DEVICES" if backend == "cuda" else "HIP_VISIBLE_DEVICES",
+        devices=devices,
+        driver_version=driver_version,
+        runtime_version=runtime_version,
+    )
+
+
+def device_name(backend: Backend, index: int) -> str:
+    """C5: backend-derived device names, CUDA0 or ROCm0."""
+    return f"{'CUDA' if backend == 'cuda' else 'ROCm'}{index}"
+
+
 def accelerators_of(report: GpuReport | None, numa_nodes: dict[str, int]) -> Accelerators:
-    backend = report.backend if report is not None else "cuda"
+    backend: Backend = report.backend if report is not None else "cuda"
     gpus = report.gpus if report is not None else []
     models = sorted({model_of(g.product) for g in gpus})
     if len(models) > 1:  # the placer matches one model per machine
         raise DiscoveryError(f"GPUs of several models on one machine: {', '.join(models)}")
-    prefix = "CUDA" if backend == "cuda" else "ROCm"  # C5: backend-derived device names
-    return Accelerators(
-        count=len(gpus),
-        backend=backend,
-        model=models[0] if models else NO_ACCELERATORS,
-        collectives="nccl" if backend == "cuda" else "rccl",
-        visible_devices_var="CUDA_VISIBLE_DEVICES" if backend == "cuda" else "HIP_VISIBLE_DEVICES",
-        devices=[
-            AcceleratorDevice(
-                index=i,
-                name=f"{prefix}{i}",
-                numa_node=gpu.numa_node
-                if gpu.numa_node is not None
-                else max(numa_nodes.get(gpu.pci_bus_id, 0), 0),
-                pcie_bus_id=gpu.pci_bus_id,
-                memory_mib=gpu.memory_mib,
-            )
-            for i, gpu in enumerate(gpus)
-        ],
-        driver_version=report.driver_version if report is not None else "",
-        runtime_version=report.runtime_version if report is not None else "",
+    devices = [
+        AcceleratorDevice(
+            index=i,
+            name=device_name(backend, i),
+            numa_node=gpu.numa_node
+            if gpu.numa_node is not None
+            else max(numa_nodes.get(gpu.pci_bus_id, 0), 0),
+            pcie_bus_id=gpu.pci_bus_id,
+            memory_mib=gpu.memory_mib,
+        )
+        for i, gpu in enumerate(gpus)
+    ]
+    return accelerators(
+        backend,
+        models[0] if models else NO_ACCELERATORS,
+        devices,
+        report.driver_version if report is not None else "",
+        report.runtime_version if report is not None else "",
     )

@@ -108,7 +108,8 @@ class DirectMember:
         self._by_address: dict[str, _Pair] = {}
         self._heartbeats: asyncio.DatagramTransport | None = None
         self._offered: dict[str, int] = {}  # peer node -> the highest round it offered
-        self._reported: dict[str, str] = {}
+        self._reported: dict[str, str] = {}  # what nodus-paths holds for this member
+        self._changed = asyncio.Event()
         self._pairs = TaskSet("direct pair", log)
         self._tasks = TaskSet("direct member", log)
         self._stun: tuple[str, int] | None = None
@@ -181,6 +182,7 @@ class DirectMember:
         self._tasks.spawn(self._watch_offers(), name="direct offers")
         self._tasks.spawn(self._send_heartbeats(), name="direct heartbeats")
         self._tasks.spawn(self._reconcile(), name="direct endpoints")
+        self._tasks.spawn(self._publisher(), name="direct paths")
         await ready.wait()
         log.info(
             "%s joined %s epoch %d on the direct path: nodus0 at %s",
@@ -310,7 +312,7 @@ class DirectMember:
         except Superseded:
             PAIR_ROUNDS.labels(self.node, "superseded").inc()
             return None
-        except (IceFailed, TimeoutError, NodusError) as error:
+        except (IceFailed, TimeoutError, NodusError, OSError) as error:  # this round's only
             self._no_path(pair, round_, str(error) or "no offer from the peer")
             return None
         finally:
@@ -445,19 +447,33 @@ class DirectMember:
     # -- NetworkDegraded's input -------------------------------------------------------------
 
     def _publish(self) -> None:
-        paths = {node: self.path_to(node) for node in self.pairs}
-        if paths == self._reported:
-            return
-        self._reported = paths
-        record = MemberPaths(
-            gang=self.epoch.gang,
-            epoch=self.epoch.epoch,
-            node=self.node,
-            paths=paths,
-            changed_time=now(),
-        )
+        self._changed.set()
+
+    async def _publisher(self) -> None:
+        """One writer, in order: puts spawned one per change could land out of order and
+        leave an old path (a fallback already over) as the record NetworkDegraded reads."""
         key = names.member_key(self.epoch.gang, self.epoch.epoch, self.node)
-        self._tasks.spawn(self.published.put(key, record), name="paths")
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            paths = {node: self.path_to(node) for node in self.pairs}
+            if paths == self._reported:
+                continue
+            record = MemberPaths(
+                gang=self.epoch.gang,
+                epoch=self.epoch.epoch,
+                node=self.node,
+                paths=paths,
+                changed_time=now(),
+            )
+            try:
+                await self.published.put(key, record)
+            except (NodusError, NatsError, OSError, TimeoutError) as error:  # the bus is away
+                log.warning("%s: paths not published yet: %s", self.node, error)
+                await asyncio.sleep(1.0)
+                self._changed.set()
+                continue
+            self._reported = paths
 
 
 class _Heartbeats(asyncio.DatagramProtocol):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 from prometheus_client import Counter
@@ -45,7 +45,6 @@ class _Bridge(asyncio.DatagramProtocol):
     key: bytes  # the peer's WireGuard key
     transport: asyncio.DatagramTransport | None = None
     wireguard: tuple[str, int] = ("127.0.0.1", 0)
-    received: int = field(default=0)  # datagrams the relays delivered from the peer
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.DatagramTransport, transport)
@@ -122,7 +121,6 @@ class RelayFallback:
         bridge = self.bridges.get(src)
         if bridge is None or bridge.transport is None:
             return  # a peer of the epoch this member has no pair with yet
-        bridge.received += 1
         self._got.inc(len(message))
         bridge.transport.sendto(message, bridge.wireguard)
 

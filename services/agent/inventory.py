@@ -9,11 +9,10 @@ from pathlib import Path
 
 from libs.contracts.fleet import (
     AcceleratorDevice,
-    Accelerators,
     Inventory,
     Machine,
 )
-from libs.discovery.machine import BASE_CAPABILITIES
+from libs.discovery.machine import BASE_CAPABILITIES, accelerators, device_name
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,12 @@ def network_namespace() -> str:
 
 def inventory_of(machine: Machine) -> Inventory:
     acc = machine.accelerators
-    prefix = "CUDA" if acc.backend == "cuda" else "ROCm"
+    devices = [
+        AcceleratorDevice(
+            index=i, name=device_name(acc.backend, i), numa_node=i * 2 // max(acc.count, 1)
+        )
+        for i in range(acc.count)
+    ]
     return Inventory(
         node=machine.name,
         provider=machine.provider,
@@ -49,21 +53,7 @@ def inventory_of(machine: Machine) -> Inventory:
         address=machine.address,
         pool=machine.pool,
         cluster=machine.cluster,
-        accelerators=Accelerators(
-            count=acc.count,
-            backend=acc.backend,
-            model=acc.model,
-            collectives="nccl" if acc.backend == "cuda" else "rccl",
-            visible_devices_var="CUDA_VISIBLE_DEVICES"
-            if acc.backend == "cuda"
-            else "HIP_VISIBLE_DEVICES",
-            devices=[
-                AcceleratorDevice(
-                    index=i, name=f"{prefix}{i}", numa_node=i * 2 // max(acc.count, 1)
-                )
-                for i in range(acc.count)
-            ],
-        ),
+        accelerators=accelerators(acc.backend, acc.model, devices),
         private_network=machine.private_network,
         private_address=machine.private_address,
         private_interface=machine.private_interface,

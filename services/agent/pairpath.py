@@ -36,7 +36,6 @@ class PairPath:
         self.peer_round = -1
         self.peer_direct = False
         self.retry_at = math.inf
-        self.fallbacks = 0  # how often a direct path was lost
 
     @property
     def direct(self) -> bool:
@@ -77,7 +76,6 @@ class PairPath:
         if wanted is None:
             return None
         if self.state is State.DIRECT:
-            self.fallbacks += 1
             self.state = State.RELAYED
             self.since = now
         self.round = wanted

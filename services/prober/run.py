@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Literal
 
 import msgspec
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 
 from libs.bus import Bus
 from libs.bus.kv import Bucket
@@ -33,18 +33,13 @@ from libs.contracts.jobs import (
 from libs.contracts.lifecycle import LaunchReply, LaunchRequest, RankStatus, StopRequest
 from libs.contracts.relay import MemberPaths, UsageRecord
 from libs.runtime.tasks import TaskSet
+from services.prober.metrics import DEGRADED, JOBS, forget_gang
 
 log = logging.getLogger("nodus.prober")
 
 USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (1 s) plus delivery
 
 RUNS = Counter("nodus_prober_runs_total", "Gang runs by outcome", ["outcome"])
-JOBS = Gauge("nodus_prober_jobs", "Jobs by phase, as the gang's run sees them", ["phase"])
-DEGRADED = Gauge(
-    "nodus_prober_network_degraded",
-    "1 while some pair of a running gang goes through the relays (NetworkDegraded)",
-    ["gang"],
-)
 
 
 class GangRun:
@@ -134,8 +129,14 @@ class GangRun:
     async def _watch_paths(self) -> None:
         async for change in self.paths.watch():
             paths = change.value
-            if paths is not None:
+            if paths is None:
+                continue
+            try:
                 await self._degraded(paths.gang, paths.epoch)
+            except NodusError as error:  # this gang's condition: the watch goes on for all
+                log.warning(
+                    "%s epoch %d: NetworkDegraded not updated: %s", paths.gang, paths.epoch, error
+                )
 
     async def _degraded(self, gang: str, epoch: int) -> None:
         """`NetworkDegraded` from what every member says of its pairs, on a Running job."""
@@ -163,8 +164,8 @@ class GangRun:
                 return status
             return with_condition(status, ConditionType.NETWORK_DEGRADED, state, reason, message, t)
 
-        DEGRADED.labels(gang).set(1 if slow else 0)
         if found and await update_job(self.jobs, gang, epoch, degraded, {Phase.RUNNING}):
+            DEGRADED.labels(gang).set(1 if slow else 0)  # running gangs only (forget_gang)
             log.info("%s epoch %d: NetworkDegraded=%s: %s", gang, epoch, state, message)
 
     async def _conclude(self, gang: str, epoch: int) -> None:
@@ -240,6 +241,7 @@ class GangRun:
             )
             return with_condition(status, ConditionType.GANG_READY, "False", reason, message, end)
 
+        forget_gang(gang)  # every replica that saw the end: its series of the gang go
         if await update_job(self.jobs, gang, epoch, finished, {Phase.RUNNING}):
             RUNS.labels("succeeded" if succeeded else "failed").inc()
             log.info(

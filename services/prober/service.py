@@ -14,7 +14,7 @@ from typing import Literal, TypeVar
 
 import msgspec
 import nats.errors
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Histogram
 
 from libs.bus import Bus
 from libs.contracts import names
@@ -42,6 +42,7 @@ from libs.contracts.lifecycle import (
 )
 from libs.contracts.relay import Member
 from libs.runtime.tasks import TaskSet
+from services.prober.metrics import record_pairs
 from services.prober.run import GangRun, boot_billed, update_job
 from services.prober.schedule import rounds
 
@@ -51,16 +52,6 @@ R = TypeVar("R", bound=msgspec.Struct)
 MAX_EPOCHS = 5  # epochs a gang may fail its probe in before the Job fails
 
 PROBES = Counter("nodus_prober_probes_total", "Epoch probes by outcome", ["outcome"])
-PAIR_GBPS = Gauge(
-    "nodus_prober_pair_tcp_gbps",
-    "TCP throughput the last qualified probe measured, per pair (Gbit/s)",
-    ["gang", "a", "b", "path"],
-)
-PAIR_RTT = Gauge(
-    "nodus_prober_pair_rtt_seconds",
-    "Round-trip time the last qualified probe measured, per pair",
-    ["gang", "a", "b", "path"],
-)
 PROBE_SECONDS = Histogram(
     "nodus_prober_probe_seconds",
     "Wall time of one epoch's probe",
@@ -364,9 +355,7 @@ class Prober:
     async def _qualified(
         self, gang: str, epoch: int, nodes: list[str], results: list[PairResult]
     ) -> None:
-        for result in results:  # every pair's figures, for the gangs dashboard
-            PAIR_GBPS.labels(gang, result.a, result.b, result.path).set(result.tcp_gbps)
-            PAIR_RTT.labels(gang, result.a, result.b, result.path).set(result.rtt_ms / 1000)
+        record_pairs(gang, results)  # every pair's figures, for the gangs dashboard
         slowest = min(results, key=lambda r: r.tcp_gbps)
         t = now()
         await self._conclude_record(gang, epoch, "Qualified", t)

@@ -93,7 +93,11 @@ def epoch_of(machines: list[tuple[str, str]], gang: str = "acme.train", number: 
     )
 
 
-def start_relay(lab: NetLab, tmp_path: Path, url: str, index: int = 0) -> subprocess.Popen[bytes]:
+def start_relay(
+    lab: NetLab, tmp_path: Path, url: str, index: int = 0, relays: int = 1
+) -> subprocess.Popen[bytes]:
+    """Relay `index` of `relays`, meshed with the others (ports 4430 + i)."""
+    others = [f"{CONTROL_ADDRESS}:{4430 + i}" for i in range(relays) if i != index]
     mesh_key = tmp_path / "mesh.key"
     if not mesh_key.exists():
         mesh_key.write_bytes(os.urandom(32).hex().encode())
@@ -112,6 +116,7 @@ def start_relay(lab: NetLab, tmp_path: Path, url: str, index: int = 0) -> subpro
         f"{CONTROL_ADDRESS}:{4430 + index}",
         "--stun-port",
         str(3478 + index),
+        *(["--mesh-with", ",".join(others)] if others else []),
         "--mesh-key-file",
         str(mesh_key),
         "--usage-journal",
@@ -129,12 +134,13 @@ def start_relay(lab: NetLab, tmp_path: Path, url: str, index: int = 0) -> subpro
     )
 
 
-async def _wait_for_stun(url: str) -> None:
+async def _wait_for_stun(url: str, relays: int = 1) -> None:
     bus = await Bus.open(url, name="test", buckets=names.ALL_BUCKETS, streams=True)
     try:
-        relays = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
+        bucket = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
         for _ in range(200):
-            if any(r.value.stun_address for r in (await relays.snapshot()).values()):
+            records = (await bucket.snapshot()).values()
+            if sum(1 for r in records if r.value.stun_address) >= relays:
                 return
             await asyncio.sleep(0.05)
         raise AssertionError("the relay never announced its STUN address")
@@ -178,9 +184,12 @@ class Members:
 
 
 @contextlib.contextmanager
-def control_plane(lab: NetLab, tmp_path: Path) -> Iterator[tuple[str, list[subprocess.Popen[Any]]]]:
-    """nats-server and a relay (with STUN) in the lab's control namespace: the bus URL, and a
-    list whose processes are killed at the end (the relay's, and what the caller adds)."""
+def control_plane(
+    lab: NetLab, tmp_path: Path, relays: int = 1
+) -> Iterator[tuple[str, list[subprocess.Popen[Any]]]]:
+    """nats-server and meshed relays (with STUN) in the lab's control namespace: the bus URL,
+    and a list whose processes are killed at the end (the relays first, by index, and what
+    the caller adds)."""
     server = NatsServer(
         tmp_path / "nats",
         port=4222,
@@ -189,8 +198,9 @@ def control_plane(lab: NetLab, tmp_path: Path) -> Iterator[tuple[str, list[subpr
     ).start()
     others: list[subprocess.Popen[Any]] = []
     try:
-        others.append(start_relay(lab, tmp_path, server.url))
-        asyncio.run(_wait_for_stun(server.url))
+        for index in range(relays):
+            others.append(start_relay(lab, tmp_path, server.url, index, relays))
+        asyncio.run(_wait_for_stun(server.url, relays))
         yield server.url, others
     finally:
         for process in others:
@@ -235,11 +245,11 @@ def start_members(
 
 @contextlib.contextmanager
 def direct_members(
-    lab: NetLab, tmp_path: Path, machines: list[tuple[str, str, str]]
+    lab: NetLab, tmp_path: Path, machines: list[tuple[str, str, str]], relays: int = 1
 ) -> Iterator[Members]:
     """(machine, its address, its mesh address) as members of one Direct epoch, every pair's
-    first round done; stopped afterwards."""
-    with control_plane(lab, tmp_path) as (url, others):
+    first round done; stopped afterwards. `members.others[:relays]` are the relays."""
+    with control_plane(lab, tmp_path, relays) as (url, others):
         epoch = epoch_of([(n, mesh) for n, _, mesh in machines])
         members = start_members(lab, url, epoch, {n: a for n, a, _ in machines}, tmp_path)
         others.extend(members.processes.values())

@@ -33,7 +33,7 @@ def test_heartbeats_keep_it_direct_and_silence_falls_back_at_once_with_a_new_rou
         assert path.next_round(t) is None and path.direct
     assert path.next_round(t + LOSS_AFTER - 0.01) is None
     assert path.next_round(t + LOSS_AFTER + 0.01) == 1
-    assert path.state is State.RELAYED and path.fallbacks == 1
+    assert path.state is State.RELAYED and path.running and path.round == 1
     path.round_ended(1, True, t + 3)
     assert path.direct
 
