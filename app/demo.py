@@ -97,8 +97,10 @@ async def _run_demo(state: Path, netns: bool) -> int:
         )
         say(f"# the Direct gang will be shown placed only: {skipped}")
     await system.start()
+    assert system.nats is not None
     say(f"NODUS_NATS_URL={system.url}")
-    client = await Client.connect(system.url)
+    say(f"NODUS_CREDENTIALS={system.nats.credentials}")
+    client = await Client.connect(system.url, system.nats.credentials)
     try:
         return await _run(client, run_direct=skipped is None)
     finally:

@@ -23,6 +23,7 @@ import yaml
 import libs
 from app.netlab import CONTROL_ADDRESS, NetLab, in_namespace, plan
 from libs.bus import Bus
+from libs.bus.auth import AGENT, RELAY, SERVICE
 from libs.bus.server import NatsServer, free_port
 from libs.contracts import names
 from libs.contracts.errors import ErrorCode, NodusError
@@ -41,6 +42,9 @@ class Child:
     process: subprocess.Popen[bytes]
     log: Path
     args: list[str] = field(default_factory=list)  # after `python -m app`
+
+
+CREDENTIAL_VARIABLES = ("NODUS_CREDENTIALS", "NODUS_NATS_CREDS")
 
 
 @dataclass
@@ -96,7 +100,22 @@ class LocalSystem:
             return next(m.address for m in self.fleet.machines if m.name == machine)
         return str(CONTROL_ADDRESS)
 
+    def credentials(self, name: str) -> str:
+        """The child's own bus user (S1): an agent confined to its machine, a relay to its
+        own records, the services; its seed at STATE_DIR/machines/NAME/nats.nk for an agent,
+        else in the bus's users directory."""
+        assert self.nats is not None
+        if name.startswith("agent-"):
+            machine = name.removeprefix("agent-")
+            seed = (self.machine_dir(machine) / "nats.nk").resolve()
+            return self.nats.user(name, AGENT, machine, seed_file=seed)
+        if name.startswith("relay-"):
+            return self.nats.user(name, RELAY, name)
+        return self.nats.user(name, SERVICE)
+
     def _spawn(self, name: str, args: list[str]) -> Child:
+        if "--credentials" not in args:
+            args = [*args, "--credentials", self.credentials(name)]
         if self.metrics and "--metrics-port" not in args:
             port = self.metrics_ports.setdefault(name, free_port())
             host = self._metrics_host(name)
@@ -105,7 +124,8 @@ class LocalSystem:
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{name}.log"
         env = {
-            **os.environ,
+            # Each child has its own bus user: none inherits this shell's.
+            **{k: v for k, v in os.environ.items() if k not in CREDENTIAL_VARIABLES},
             "NODUS_NATS_URL": self.url,
             "NODUS_LOG_FORMAT": "json",
             **self.extra_env,
@@ -277,7 +297,13 @@ class LocalSystem:
         else:
             self.nats = NatsServer(self.state_dir / "nats", self.nats_port).start()
         # The placer creates the journal; agents wait for it rather than racing to create it.
-        bus = await Bus.open(self.url, name="nodus-up", buckets=names.ALL_BUCKETS, streams=True)
+        bus = await Bus.open(
+            self.url,
+            name="nodus-up",
+            credentials=self.nats.credentials,
+            buckets=names.ALL_BUCKETS,
+            streams=True,
+        )
         try:
             for index in range(self.placers):
                 self.start_placer(index)

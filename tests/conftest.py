@@ -3,17 +3,35 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from libs.bus import Bus
+from libs.bus.auth import OPERATOR, new_identity
+from libs.bus.credentials import write_secret
 from libs.bus.server import NatsServer
 from libs.contracts import names
 from libs.contracts.placer import PlacerConfig
 from services.placer.config import load_config
 from services.placer.service import Placer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def operator_credentials(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Authentication is on in every test (S1): the tests' own clients are the operator,
+    whose seed every bus a test starts admits; the processes the lab starts get their own."""
+    seed = tmp_path_factory.mktemp("operator") / "operator.nk"
+    write_secret(seed, new_identity("operator", OPERATOR).seed + "\n")
+    saved = {k: os.environ.pop(k, None) for k in ("NODUS_CREDENTIALS", "NODUS_NATS_CREDS")}
+    os.environ["NODUS_CREDENTIALS"] = str(seed)
+    yield str(seed)
+    os.environ.pop("NODUS_CREDENTIALS", None)
+    for key, value in saved.items():
+        if value is not None:
+            os.environ[key] = value
 
 
 @pytest.fixture

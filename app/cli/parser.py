@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from app.cli import daemons, jobs, qualify, repair, system
+from app.cli import bus, daemons, jobs, qualify, repair, system
 from app.cli.common import Command, Kind, client_flags, output_flag, run_async
 
 GET_FORMATS = "json|yaml|jsonpath=... (default, or wide: a table; YAML for ranktables)"
@@ -55,6 +55,7 @@ def commands() -> list[Command]:
     )
     return [
         *system.LOCAL,
+        bus.BUS,
         jobs.APPLY,
         get,
         describe,

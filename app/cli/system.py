@@ -52,7 +52,10 @@ async def _up(args: argparse.Namespace) -> int:
     try:
         await system.start()
         assert system.fleet is not None
+        assert system.nats is not None
         print(f"NODUS_NATS_URL={system.url}", flush=True)
+        # The operator's bus user: `export` both, and the CLI reaches this bus (S1).
+        print(f"NODUS_CREDENTIALS={system.nats.credentials}", flush=True)
         if system.prometheus:
             print(
                 f"NODUS_PROMETHEUS_URL=http://{system.prometheus_host}:{system.prometheus_port}",

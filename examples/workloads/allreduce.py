@@ -57,7 +57,9 @@ def recv_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(buffer)
 
 
-def rendezvous(rank: int, world: int, own: str, master: tuple[str, int]) -> tuple[socket.socket, socket.socket]:
+def rendezvous(
+    rank: int, world: int, own: str, master: tuple[str, int]
+) -> tuple[socket.socket, socket.socket]:
     """Return (to_next, from_prev) sockets of the ring."""
     listener = socket.socket(socket.AF_INET6 if ":" in own else socket.AF_INET)
     listener.bind((own, 0))  # an ephemeral port, as NCCL's bootstrap does
@@ -98,7 +100,9 @@ def rendezvous(rank: int, world: int, own: str, master: tuple[str, int]) -> tupl
     return to_next, from_prev
 
 
-def ring_allreduce(data: array, rank: int, world: int, to_next: socket.socket, from_prev: socket.socket) -> None:
+def ring_allreduce(
+    data: array, rank: int, world: int, to_next: socket.socket, from_prev: socket.socket
+) -> None:
     """Reduce-scatter then all-gather, 2(W-1) steps of N/W elements each."""
     n = len(data)
     bounds = [n * i // world for i in range(world + 1)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
@@ -13,12 +14,13 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType, StreamConfig
+from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
 
 from libs.bus.connection import connect, jetstream
-from libs.bus.kv import Bucket
+from libs.bus.kv import Bucket, named_watches
 from libs.contracts.base import decode, encode
 from libs.contracts.errors import ErrorCode, ErrorReply, NodusError
 from libs.contracts.names import EVENTS_STREAM, EVENTS_SUBJECTS, USAGE_STREAM, USAGE_SUBJECTS
@@ -38,6 +40,15 @@ ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 BUCKET_HISTORY = {"nodus-jobs": 10, "nodus-ranktables": 10, "nodus-epochs": 5}
 
 
+def replicas() -> int:
+    """Copies of each stream and bucket: 3 on a clustered bus (`nodus bus init`), set by
+    NODUS_BUS_REPLICAS for the processes that create them; 1 on a single server."""
+    value = os.environ.get("NODUS_BUS_REPLICAS", "1")
+    if not value.isdigit() or not 1 <= int(value) <= 5:
+        raise NodusError(ErrorCode.INVALID, f"NODUS_BUS_REPLICAS={value!r}: a number, 1 to 5")
+    return int(value)
+
+
 class Bus:
     """What a service holds: the connection, JetStream, typed buckets."""
 
@@ -55,9 +66,10 @@ class Bus:
         credentials: str | None = None,
         buckets: list[str] | None = None,
         streams: bool = False,
+        inbox_prefix: str | None = None,
     ) -> Bus:
         """Connect and make sure the journal is there (C7): refuse to start without it."""
-        nc = await connect(url, name=name, credentials=credentials)
+        nc = await connect(url, name=name, credentials=credentials, inbox_prefix=inbox_prefix)
         bus = cls(nc, jetstream(nc))
         try:
             if streams:
@@ -81,6 +93,7 @@ class Bus:
                         subjects=subjects,
                         storage=StorageType.FILE,
                         duplicate_window=120.0,
+                        num_replicas=replicas(),
                     )
                 )
         except NodusError:
@@ -99,13 +112,43 @@ class Bus:
                             bucket=name,
                             history=BUCKET_HISTORY.get(name, 1),
                             storage=StorageType.FILE,
+                            # Reads by key name the key in the API subject: NATS
+                            # permissions can then confine a reader to its keys (S1).
+                            direct=True,
+                            replicas=replicas(),
                         )
                     )
                 except nats.js.errors.BadRequestError:
                     kv = await self.js.key_value(name)  # another process created it first
+                except nats.errors.TimeoutError:
+                    raise NodusError(
+                        ErrorCode.JOURNAL_UNAVAILABLE,
+                        f"KV bucket {name} does not exist, and this process's bus user may "
+                        "not create it: start the control plane (the placer) first",
+                    ) from None
+            if not kv._direct:
+                kv = await self._allow_direct(name, kv)
+        except NodusError:
+            raise
         except Exception as error:
+            if isinstance(error, nats.errors.TimeoutError):
+                error = TimeoutError(
+                    "no answer: does this process's bus user have permission to use it?"
+                )
             raise _journal_error(f"KV bucket {name}", error) from error
-        self._buckets[name] = kv
+        self._buckets[name] = named_watches(kv)
+
+    async def _allow_direct(self, name: str, kv: KeyValue) -> KeyValue:
+        """A bucket made before S1 reads keys through an API that names no key; turn on
+        direct reads once, so confined readers can read theirs."""
+        try:
+            info = await self.js.stream_info(f"KV_{name}")
+            info.config.allow_direct = True
+            await self.js.update_stream(info.config)
+            return await self.js.key_value(name)
+        except Exception as error:  # a confined process may not; the control plane will
+            log.warning("bucket %s: cannot turn on direct reads: %r", name, error)
+            return kv
 
     def bucket(self, name: str, kind: type[S]) -> Bucket[S]:
         if name not in self._buckets:

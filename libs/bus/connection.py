@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import ssl
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -21,19 +24,51 @@ def default_url() -> str:
     return os.environ.get("NODUS_NATS_URL", DEFAULT_URL)
 
 
+def default_credentials() -> str | None:
+    """The process's own bus credentials (S1): an NKey seed file (`nats.nk`) or a NATS
+    credentials file (`.creds`)."""
+    return os.environ.get("NODUS_CREDENTIALS") or os.environ.get("NODUS_NATS_CREDS") or None
+
+
+def credential_options(path: str) -> dict[str, Any]:
+    """nats-py's options for a credentials file: a seed signs the server's nonce; a .creds
+    file carries a user JWT and its seed. Anything else is a clear error, not a refusal
+    later."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise NodusError(
+            ErrorCode.INVALID, f"bus credentials {path}: {error.strerror or error}"
+        ) from None
+    if "-----BEGIN NATS USER JWT-----" in text:
+        return {"user_credentials": path}
+    seed = text.strip()
+    if seed.startswith("SU"):
+        return {"nkeys_seed_str": seed}
+    raise NodusError(
+        ErrorCode.INVALID,
+        f"bus credentials {path}: neither an NKey user seed (SU...) nor a NATS .creds file",
+    )
+
+
 async def connect(
     url: str | None = None,
     name: str = "nodus",
     credentials: str | None = None,
+    inbox_prefix: str | None = None,
     connect_timeout: float = 2.0,
     initial_attempts: int = 3,
 ) -> Client:
     """Connect with unbounded reconnects once up; a bus that is down at start is a clear error."""
     url = url or default_url()
 
+    refusals: list[str] = []
+
     async def on_error(error: Exception) -> None:
         if client:  # before the first connect, the caller gets one clear error instead
             log.warning("bus error: %s", error)
+        elif "authorization" in str(error).lower():
+            refusals.append(str(error))
 
     client: list[Client] = []
 
@@ -46,7 +81,7 @@ async def connect(
         log.info("bus reconnected to %s", url)
 
     options: dict[str, Any] = {
-        "servers": [url],
+        "servers": [u.strip() for u in url.split(",") if u.strip()],  # a cluster: every server
         "name": name,
         "connect_timeout": connect_timeout,
         # Bounded while connecting the first time; unbounded once up (set below).
@@ -57,11 +92,29 @@ async def connect(
         "disconnected_cb": on_disconnect,
         "reconnected_cb": on_reconnect,
     }
+    credentials = credentials or default_credentials()
     if credentials:
-        options["user_credentials"] = credentials
+        options.update(credential_options(credentials))
+    if inbox_prefix:  # a confined agent receives replies only on its own inbox (S1)
+        options["inbox_prefix"] = inbox_prefix
+    ca = os.environ.get("NODUS_NATS_CA")
+    if ca:  # a bus with TLS on (`nodus bus init`): trust its own authority
+        options["tls"] = ssl.create_default_context(cafile=ca)
     try:
-        nc = await nats.connect(**options)
+        # Bounded as a whole: nats-py can wait forever on a TLS handshake it failed.
+        bound = (connect_timeout + 1.0) * initial_attempts + 2.0
+        nc = await asyncio.wait_for(nats.connect(**options), bound)
     except Exception as error:  # nats raises several unrelated types here
+        if _refused(error, refusals):
+            raise NodusError(
+                ErrorCode.UNAUTHORIZED,
+                f"the bus at {url} refused these credentials ({credentials or 'none'}): "
+                f"{refusals[-1]} (pass --credentials or set NODUS_CREDENTIALS)",
+            ) from None
+        if isinstance(error, TimeoutError) and "tls://" in url:
+            error = TimeoutError(
+                "no handshake: on a TLS bus, does NODUS_NATS_CA name its authority?"
+            )
         raise NodusError(
             ErrorCode.JOURNAL_UNAVAILABLE,
             f"cannot reach the bus at {url}: {error!s} "
@@ -71,6 +124,10 @@ async def connect(
     # nats-py reads this option on every reconnect: once up, never give up on the bus.
     nc.options["max_reconnect_attempts"] = -1
     return nc
+
+
+def _refused(error: Exception, refusals: list[str]) -> bool:
+    return bool(refusals) or "authorization" in str(error).lower()
 
 
 def jetstream(nc: Client, timeout: float = 5.0) -> JetStreamContext:

@@ -6,12 +6,14 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import nats.errors
+from nats.js.api import ConsumerConfig
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
+from nats.nuid import NUID
 from prometheus_client import Counter
 
 from libs.contracts.base import decode, encode
@@ -29,6 +31,46 @@ MALFORMED_RECORDS = Counter(
 
 KV_DEL = "DEL"
 KV_PURGE = "PURGE"
+
+
+class _NamedConsumers:
+    """JetStream as nats-py's KeyValue sees it, except that a watch's consumer has a name.
+
+    A consumer with a name is created on `$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>`,
+    where NATS permissions can check the filter (S1); nats-py creates an unnamed one on a
+    subject that names no filter. An ordered consumer that lost a message is made again:
+    under a new name, since the old one still exists and cannot change where it starts."""
+
+    def __init__(self, js: Any) -> None:
+        self._js = js
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
+
+    async def subscribe(self, subject: str, **options: Any) -> Any:
+        options["config"] = ConsumerConfig(name=_consumer_name())
+        subscription = await self._js.subscribe(subject, **options)
+        jsi = getattr(subscription, "_jsi", None)
+        if jsi is not None and hasattr(jsi, "recreate_consumer"):
+            recreate = jsi.recreate_consumer
+
+            async def recreate_under_new_name() -> None:
+                jsi._ccreq.name = _consumer_name()
+                await recreate()
+
+            jsi.recreate_consumer = recreate_under_new_name
+        return subscription
+
+
+def _consumer_name() -> str:
+    return NUID().next().decode()
+
+
+def named_watches(kv: KeyValue) -> KeyValue:
+    """The same bucket, its watches on named consumers (see _NamedConsumers)."""
+    if not isinstance(kv._js, _NamedConsumers):
+        kv._js = _NamedConsumers(kv._js)  # type: ignore[assignment]
+    return kv
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,10 +57,12 @@ class JoinClaims(Record):
 
 
 class JoinKeyGrant(Record):
-    """KV record under `<node>.<org>.<name>.<epoch>`: only that node may read it (S1)."""
+    """KV record under `<node>.<org>.<name>.<epoch>`: only that node may read it (S1). It
+    brings the epoch as persisted, since the node may read no other gang's records."""
 
     token: str
     verify_key: str
+    epoch: Epoch | None = None
 
 
 class Lease(Record):

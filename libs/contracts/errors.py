@@ -30,6 +30,8 @@ class ErrorCode(StrEnum):
     EPOCH_MISMATCH = "EpochMismatch"
     JOURNAL_UNAVAILABLE = "JournalUnavailable"
     CONFLICT = "Conflict"
+    # The bus refused the credentials at connect (S1); a refused act is a timeout instead.
+    UNAUTHORIZED = "Unauthorized"
     # A member's advertised address is not on its machine (Direct's nodus0 not up, say).
     ADDRESS_UNAVAILABLE = "AddressUnavailable"
     INTERNAL = "Internal"

@@ -83,9 +83,13 @@ class ProbePairRequest(Record):
 
 
 class LaunchRequest(Record):
+    """The prober's word to start a rank, with the job's command: an agent reads no job
+    records (S1)."""
+
     gang: str
     epoch: int
     rank: int
+    command: list[str]
 
 
 class LaunchReply(Record):
@@ -130,10 +134,12 @@ class JoinedEpochsReply(Record):
 
 
 class ShimCheckRequest(Record):
-    """To `nodus.node.<node>.req.shim-check` (G10.3): load the shim into the job's launcher."""
+    """To `nodus.node.<node>.req.shim-check` (G10.3): load the shim into the job's launcher,
+    the command's first word."""
 
     gang: str
     epoch: int
+    launcher: list[str]
 
 
 class ShimCheckReply(Record):

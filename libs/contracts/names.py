@@ -25,9 +25,12 @@ BUCKET_JOINKEYS = "nodus-joinkeys"  # node.org.name.epoch -> JoinKeyGrant; used.
 BUCKET_RANKTABLES = "nodus-ranktables"  # org.name -> Ranktable; the bucket is the global one
 BUCKET_REDEEMED = "nodus-redeemed"  # node.nonce -> JoinRedemption: a join key is used once
 BUCKET_MEMBERS = "nodus-members"  # org.name.epoch.node -> Member (the node's WireGuard key)
+# org.name.epoch.to.from -> Member: the record `from` gives each peer; an agent reads only
+# what is addressed to it (S1), so members introduce themselves to each other here.
+BUCKET_PEERS = "nodus-peers"
 BUCKET_RELAYS = "nodus-relays"  # relay name -> RelayRecord
 BUCKET_PROBES = "nodus-probes"  # org.name.epoch -> ProbeRecord
-BUCKET_RANKS = "nodus-ranks"  # org.name.epoch.rank -> RankStatus
+BUCKET_RANKS = "nodus-ranks"  # org.name.epoch.rank.node -> RankStatus
 # org.name.epoch.node.peer -> IceOffer: a Direct member's ICE offer to one peer (G11)
 BUCKET_ICE = "nodus-ice"
 BUCKET_PATHS = "nodus-paths"  # org.name.epoch.node -> MemberPaths (a Direct member's paths)
@@ -44,6 +47,7 @@ ALL_BUCKETS = [
     BUCKET_RANKTABLES,
     BUCKET_REDEEMED,
     BUCKET_MEMBERS,
+    BUCKET_PEERS,
     BUCKET_RELAYS,
     BUCKET_PROBES,
     BUCKET_RANKS,
@@ -63,6 +67,10 @@ def usage_subject(relay: str, gang: str) -> str:
 
 def member_key(gang: str, epoch: int, node: str) -> str:
     return f"{gang}.{epoch}.{node}"
+
+
+def peer_key(gang: str, epoch: int, to: str, sender: str) -> str:
+    return f"{gang}.{epoch}.{to}.{sender}"
 
 
 def ice_key(gang: str, epoch: int, node: str, peer: str) -> str:
@@ -97,8 +105,9 @@ def redeemed_key(node: str, nonce: str) -> str:
     return f"{node}.{nonce}"
 
 
-def rank_key(gang: str, epoch: int, rank: int) -> str:
-    return f"{gang}.{epoch}.{rank}"
+def rank_key(gang: str, epoch: int, rank: int, node: str) -> str:
+    """The node comes last, so NATS permissions let an agent write only its own ranks (S1)."""
+    return f"{gang}.{epoch}.{rank}.{node}"
 
 
 # -- Automated node repair (issue 6, R1-R16) ---------------------------------------------------

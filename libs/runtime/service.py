@@ -16,7 +16,7 @@ from typing import Any
 import uvloop
 from prometheus_client import start_http_server
 
-from libs.bus.connection import DEFAULT_URL, default_url
+from libs.bus.connection import DEFAULT_URL, default_credentials, default_url
 from libs.contracts.errors import NodusError
 
 Body = Callable[[argparse.Namespace, asyncio.Event], Awaitable[None]]
@@ -31,8 +31,9 @@ def add_bus_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--credentials",
-        default=os.environ.get("NODUS_NATS_CREDS"),
-        help="NATS credentials file (env NODUS_NATS_CREDS)",
+        default=default_credentials(),
+        help="this process's bus credentials: an NKey seed file (nats.nk) or a NATS .creds "
+        "file (env NODUS_CREDENTIALS)",
     )
 
 

@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import msgspec
+from nats.errors import Error as NatsError
 from prometheus_client import Counter, Gauge
 
 from libs.bus import Bus, Endpoint, EpochGuard
@@ -74,7 +75,8 @@ class Agent:
         self.tunnel_buffer_limit_bytes = tunnel_buffer_limit_bytes
         self.nodes = bus.bucket(names.BUCKET_NODES, NodeRecord)
         self.health = bus.bucket(names.BUCKET_HEALTH, NodeHealth)
-        self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
+        self.epoch_records: dict[tuple[str, int], Epoch] = {}  # as the join keys brought them
+        self.peers = bus.bucket(names.BUCKET_PEERS, Member)
         self.joinkeys = bus.bucket(names.BUCKET_JOINKEYS, JoinKeyGrant)
         self.redeemed = bus.bucket(names.BUCKET_REDEEMED, JoinRedemption)
         self.joined: dict[str, JoinedEpoch] = {}  # joinkey key -> membership
@@ -87,7 +89,7 @@ class Agent:
         self._starting = TaskSet("agent dataplane start", log)
         self._tasks: list[asyncio.Task[None]] = []
         state = state_dir or Path(tempfile.gettempdir()) / "nodus" / self.node
-        self.gangs = GangWork(bus, self.node, state / "logs", self._path_of)
+        self.gangs = GangWork(bus, self.node, state / "logs", self._path_of, self._joined_epoch)
 
     async def _path_of(self, gang: str, epoch: int, peer: str) -> str | None:
         """The path to `peer` the workload's bytes take now: the tunnel's relay on the
@@ -196,6 +198,8 @@ class Agent:
                 left = self.joined.pop(change.key, None)
                 if left is not None:  # the epoch is fenced or deleted: its ranks stop (G9)
                     await self.gangs.stop_epoch(left.gang, left.epoch)
+                    await self._forget_introductions(left.gang, left.epoch)
+                    self._fence(left.gang, left.epoch)
                 gone: list[RelayedMember | DirectMember | PrivateMember | None] = [
                     self.relayed.pop(change.key, None),
                     self.direct.pop(change.key, None),
@@ -220,18 +224,69 @@ class Agent:
                     log.warning("join refused: %s", error)
             JOINED.labels(self.node).set(len(self.joined))
 
+    async def _introduce(self, epoch: Epoch, record: Member) -> None:
+        """This member's record for each peer, addressed to it: peers read only what is
+        addressed to them (S1)."""
+        try:
+            await asyncio.gather(
+                *(
+                    self.peers.put(
+                        names.peer_key(epoch.gang, epoch.epoch, m.node, self.node), record
+                    )
+                    for m in epoch.members
+                    if m.node != self.node
+                )
+            )
+        except (NatsError, OSError, TimeoutError) as error:
+            raise NodusError(
+                ErrorCode.JOURNAL_UNAVAILABLE,
+                f"{epoch.gang} epoch {epoch.epoch}: cannot introduce {self.node} to its "
+                f"peers: {error!r}",
+            ) from None
+
+    async def _forget_introductions(self, gang: str, epoch: int) -> None:
+        record = self.epoch_records.get((gang, epoch))
+        if record is None:
+            return
+        for m in record.members:
+            if m.node != self.node:
+                try:
+                    await self.peers.delete(names.peer_key(gang, epoch, m.node, self.node))
+                except (NodusError, NatsError, OSError, TimeoutError) as error:
+                    log.info("%s epoch %d: its introductions stay: %s", gang, epoch, error)
+                    return
+
+    def _fence(self, gang: str, epoch: int) -> None:
+        """Its key is gone: the epoch is fenced, and requests naming it are refused as stale
+        until a newer epoch of the gang replaces it here."""
+        record = self.epoch_records.get((gang, epoch))
+        if record is not None:
+            self.epoch_records[(gang, epoch)] = msgspec.structs.replace(record, fenced=True)
+
+    def _joined_epoch(self, gang: str, epoch: int) -> Epoch:
+        """An epoch this node joined, as its key brought it; refused if fenced or replaced."""
+        record = self.epoch_records.get((gang, epoch))
+        current = self.guard.current(gang)
+        if (record is not None and record.fenced) or (current is not None and epoch < current):
+            raise NodusError(ErrorCode.STALE_EPOCH, f"{gang} epoch {epoch} is fenced")
+        if record is None:
+            raise NodusError(
+                ErrorCode.EPOCH_MISMATCH, f"{self.node} holds no join key of {gang} epoch {epoch}"
+            )
+        return record
+
     async def _start_dataplane(self, key: str, joined: JoinedEpoch) -> None:
         """On the Relayed path: the tunnel through the relays and the SOCKS5 entry (G14); on
         the Direct path: nodus0 and ICE with every peer (G7, G11); on the Private path: the
         port rules on the private network (G22)."""
-        stored = await self.epochs.get(names.epoch_key(joined.gang, joined.epoch))
-        if stored is None:
+        epoch_record = self.epoch_records.get((joined.gang, joined.epoch))
+        if epoch_record is None:
             return
-        member = next(m for m in stored.value.members if m.node == self.node)
+        member = next(m for m in epoch_record.members if m.node == self.node)
         wg_private = self._wg_keys[f"{joined.gang}.{joined.epoch}"]
-        if stored.value.path is PathClass.DIRECT and self.nodus0:
+        if epoch_record.path is PathClass.DIRECT and self.nodus0:
             direct = DirectMember(
-                self.bus, stored.value, member, wg_private, underlay=self.inventory.address
+                self.bus, epoch_record, member, wg_private, underlay=self.inventory.address
             )
             self.direct[key] = direct  # the probe may ask for its paths while it starts
             try:
@@ -241,13 +296,13 @@ class Agent:
                 await direct.stop()
                 raise
             return
-        if stored.value.path is PathClass.PRIVATE and self.port_rules:
+        if epoch_record.path is PathClass.PRIVATE and self.port_rules:
             private = PrivateMember(
                 PortRules(
                     gang=joined.gang,
                     epoch=joined.epoch,
                     interface=member.interface,
-                    members=tuple(m.address for m in stored.value.members if m.node != self.node),
+                    members=tuple(m.address for m in epoch_record.members if m.node != self.node),
                     rendezvous_port=int(member.env.get("MASTER_PORT", "29500")),
                     ephemeral=ephemeral_range(),
                 )
@@ -255,12 +310,12 @@ class Agent:
             await private.start()
             self.private[key] = private
             return
-        if stored.value.path is not PathClass.RELAYED:
+        if epoch_record.path is not PathClass.RELAYED:
             return
         host, _, port = self.socks_endpoint.rpartition(":")
         runtime = RelayedMember(
             self.bus,
-            stored.value,
+            epoch_record,
             member,
             wg_private,
             (host, int(port)),
@@ -286,12 +341,12 @@ class Agent:
             raise NodusError(
                 ErrorCode.INVALID, f"join key names node {claims.node}, not {self.node}"
             )
-        stored = await self.epochs.get(names.epoch_key(claims.gang, claims.epoch))
-        if stored is None:
+        epoch = grant.epoch
+        if epoch is None or (epoch.gang, epoch.epoch) != (claims.gang, claims.epoch):
             raise NodusError(
-                ErrorCode.EPOCH_MISMATCH, f"{claims.gang} epoch {claims.epoch} is not persisted"
+                ErrorCode.EPOCH_MISMATCH,
+                f"the grant of {claims.gang} epoch {claims.epoch} brings no such epoch",
             )
-        epoch = stored.value
         if epoch.fenced:
             raise NodusError(ErrorCode.STALE_EPOCH, f"{claims.gang} epoch {claims.epoch} is fenced")
         if epoch.verify_key != grant.verify_key or epoch.mesh_id != claims.mesh_id:
@@ -312,6 +367,11 @@ class Agent:
                 ErrorCode.CONFLICT,
                 f"join key for {claims.gang} epoch {claims.epoch} was already used",
             )
+        # The probe and the launch ask for it as soon as the member record below is seen.
+        for gang, number in list(self.epoch_records):
+            if gang == claims.gang and number < claims.epoch:
+                del self.epoch_records[(gang, number)]
+        self.epoch_records[(claims.gang, claims.epoch)] = epoch
         # A fresh WireGuard key per epoch, bound to this node once: relays admit only it (S2).
         private = generate_private_key()
         record = Member(
@@ -329,10 +389,12 @@ class Agent:
             )
             is None
         ):
+            self.epoch_records.pop((claims.gang, claims.epoch), None)
             raise NodusError(
                 ErrorCode.CONFLICT,
                 f"{self.node} already holds a key in {claims.gang} epoch {claims.epoch}",
             )
+        await self._introduce(epoch, record)
         self._wg_keys[f"{claims.gang}.{claims.epoch}"] = private
         self.guard.advance(claims.gang, claims.epoch)
         return JoinedEpoch(

@@ -37,6 +37,7 @@ from libs.wg.uapi import DeviceConfig, PeerConfig, UapiError
 from services.agent import ice
 from services.agent.fallback import RelayFallback
 from services.agent.ice import IceFailed, Offer, PairIce
+from services.agent.introductions import introduced_peer
 from services.agent.member import live_relays
 from services.agent.nodus0 import Nodus0
 from services.agent.pairpath import HEARTBEAT_INTERVAL, PairPath
@@ -226,12 +227,12 @@ class DirectMember:
     # -- peers -------------------------------------------------------------------------------
 
     async def _watch_peers(self, ready: asyncio.Event) -> None:
-        members = self.bus.bucket(names.BUCKET_MEMBERS, Member)
-        async for change in members.watch(
-            f"{self.epoch.gang}.{self.epoch.epoch}.*", caught_up=ready
+        peers = self.bus.bucket(names.BUCKET_PEERS, Member)  # what peers addressed to us (S1)
+        async for change in peers.watch(
+            names.peer_key(self.epoch.gang, self.epoch.epoch, self.node, "*"), caught_up=ready
         ):
-            peer = change.value
-            if peer is None or peer.node == self.node or peer.node in self.pairs:
+            peer = introduced_peer(self.epoch, self.node, change)
+            if peer is None or peer.node in self.pairs:
                 continue
             try:
                 key = key_from_base64(peer.wg_public_key)

@@ -17,7 +17,7 @@ from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.errors import ErrorCode, NodusError
-from libs.contracts.jobs import Job, PathClass
+from libs.contracts.jobs import PathClass
 from libs.contracts.lifecycle import (
     LaunchReply,
     LaunchRequest,
@@ -63,11 +63,11 @@ class GangWork:
         node: str,
         log_dir: Path,
         path_of: Callable[[str, int, str], Awaitable[str | None]],
+        joined_epoch: Callable[[str, int], Epoch],
     ) -> None:
         self.bus = bus
         self.node = node
-        self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
-        self.jobs = bus.bucket(names.BUCKET_JOBS, Job)
+        self.joined_epoch = joined_epoch  # the epochs this node joined, by their keys
         self.runner = RankRunner(node, bus.bucket(names.BUCKET_RANKS, RankStatus), log_dir)
         self.servers: dict[tuple[str, int], ProbeServer] = {}
         self.path_of = path_of  # the path to a peer now: direct | derp:<region>
@@ -90,17 +90,15 @@ class GangWork:
         ]
 
     async def _member(self, gang: str, epoch: int) -> tuple[Epoch, EpochMember]:
-        stored = await self.epochs.get(names.epoch_key(gang, epoch))
-        if stored is None:
-            raise NodusError(ErrorCode.EPOCH_MISMATCH, f"{gang} epoch {epoch} is not persisted")
-        if stored.value.fenced:
-            raise NodusError(ErrorCode.STALE_EPOCH, f"{gang} epoch {epoch} is fenced")
-        member = next((m for m in stored.value.members if m.node == self.node), None)
+        """The epoch as its join key brought it: one this agent holds a key of, unfenced
+        (a fenced epoch's key is deleted, and the agent leaves it)."""
+        record = self.joined_epoch(gang, epoch)
+        member = next((m for m in record.members if m.node == self.node), None)
         if member is None:
             raise NodusError(
                 ErrorCode.NOT_FOUND, f"{self.node} is not a member of {gang} epoch {epoch}"
             )
-        return stored.value, member
+        return record, member
 
     async def probe_serve(self, request: ProbeServeRequest) -> ProbeServeReply:
         _, member = await self._member(request.gang, request.epoch)
@@ -186,10 +184,9 @@ class GangWork:
         """G10.3: the image's own launcher (the command's first word) must load the shim."""
         from libs.netshim import NetshimCheckError, self_test_async
 
-        job = await self.jobs.get(request.gang)
-        if job is None:
-            raise NodusError(ErrorCode.NOT_FOUND, f"job {request.gang} not found")
-        launcher = job.value.spec.command[:1]
+        launcher = request.launcher
+        if not launcher:
+            raise NodusError(ErrorCode.INVALID, f"{request.gang}: no launcher to check")
         try:
             result = await self_test_async(launcher, timeout=20)
         except NetshimCheckError as error:
@@ -206,11 +203,10 @@ class GangWork:
             raise NodusError(
                 ErrorCode.INVALID, f"{self.node} is rank {member.rank}, not {request.rank}"
             )
-        job = await self.jobs.get(request.gang)
-        if job is None:
-            raise NodusError(ErrorCode.NOT_FOUND, f"job {request.gang} not found")
+        if not request.command:
+            raise NodusError(ErrorCode.INVALID, f"{request.gang}: no command to launch")
         started = await self.runner.launch(
-            request.gang, request.epoch, request.rank, job.value.spec.command, member.env
+            request.gang, request.epoch, request.rank, request.command, member.env
         )
         return LaunchReply(started=started)
 
@@ -218,7 +214,9 @@ class GangWork:
         data, offset = self.runner.read_log(
             request.gang, request.epoch, request.rank, request.offset, request.limit
         )
-        entry = self.runner.running.get(names.rank_key(request.gang, request.epoch, request.rank))
+        entry = self.runner.running.get(
+            names.rank_key(request.gang, request.epoch, request.rank, self.node)
+        )
         return LogsReply(data=data, offset=offset, state=entry.status.state if entry else "Unknown")
 
     async def stop(self, request: StopRequest) -> LaunchReply:

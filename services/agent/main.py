@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from libs.bus import Bus
-from libs.contracts import names
+from libs.bus.auth import agent_keys
 from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS, HEARTBEATS_PER_TIMEOUT
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Machine, load_fleet
@@ -112,6 +112,10 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# What an agent opens: the buckets its bus user may use (libs.bus.auth.agent_keys).
+AGENT_BUCKETS = [keys.bucket for keys in agent_keys("-")]
+
+
 async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
     machine = _machine(args)
     if args.state_dir:
@@ -120,19 +124,8 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         args.nats,
         name=f"nodus-agent-{args.node}",
         credentials=args.credentials,
-        buckets=[
-            names.BUCKET_NODES,
-            names.BUCKET_HEALTH,
-            names.BUCKET_EPOCHS,
-            names.BUCKET_JOINKEYS,
-            names.BUCKET_REDEEMED,
-            names.BUCKET_MEMBERS,
-            names.BUCKET_RELAYS,
-            names.BUCKET_JOBS,
-            names.BUCKET_RANKS,
-            names.BUCKET_ICE,
-            names.BUCKET_PATHS,
-        ],
+        buckets=AGENT_BUCKETS,
+        inbox_prefix=f"_INBOX.{args.node}",  # the only inbox its bus user may read (S1)
     )
     agent = Agent(
         bus,

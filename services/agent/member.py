@@ -15,6 +15,7 @@ from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.relay import Member, RelayRecord
 from libs.runtime.tasks import cancel_and_wait
 from libs.wg import key_from_base64
+from services.agent.introductions import introduced_peer
 from services.agent.socks import SocksFront
 from services.agent.tunnel import Tunnel
 from services.agent.wgdevice import WgDevice
@@ -106,11 +107,11 @@ class RelayedMember:
         await cancel_and_wait(self._tasks)
 
     async def _watch_peers(self, ready: asyncio.Event) -> None:
-        members = self.bus.bucket(names.BUCKET_MEMBERS, Member)
-        prefix = f"{self.epoch.gang}.{self.epoch.epoch}.*"
-        async for change in members.watch(prefix, caught_up=ready):
-            peer = change.value
-            if peer is None or peer.node == self.member.node or self.tunnel is None:
+        peers = self.bus.bucket(names.BUCKET_PEERS, Member)  # what peers addressed to us (S1)
+        prefix = names.peer_key(self.epoch.gang, self.epoch.epoch, self.member.node, "*")
+        async for change in peers.watch(prefix, caught_up=ready):
+            peer = introduced_peer(self.epoch, self.member.node, change)
+            if peer is None or self.tunnel is None:
                 continue
             try:
                 key = key_from_base64(peer.wg_public_key)

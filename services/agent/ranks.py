@@ -36,12 +36,12 @@ class RankRunner:
         self.running: dict[str, Rank] = {}
 
     def log_path(self, gang: str, epoch: int, rank: int) -> Path:
-        return self.log_dir / f"{names.rank_key(gang, epoch, rank)}.log"
+        return self.log_dir / f"{names.rank_key(gang, epoch, rank, self.node)}.log"
 
     async def launch(
         self, gang: str, epoch: int, rank: int, command: list[str], env: dict[str, str]
     ) -> bool:
-        key = names.rank_key(gang, epoch, rank)
+        key = names.rank_key(gang, epoch, rank, self.node)
         if key in self.running:
             return False  # idempotent: a retried launch starts nothing more
         self.log_dir.mkdir(parents=True, exist_ok=True)

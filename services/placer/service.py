@@ -470,7 +470,9 @@ class Placer:
                 self.joinkeys.put(
                     names.joinkey_key(m.node, gang, epoch),
                     JoinKeyGrant(
-                        token=mesh.mint(gang, epoch, m.node, expires), verify_key=mesh.verify_key
+                        token=mesh.mint(gang, epoch, m.node, expires),
+                        verify_key=mesh.verify_key,
+                        epoch=record,
                     ),
                 )
                 for m in record.members

@@ -65,11 +65,13 @@ class GangRun:
         """The qualified epoch's ranks, all at once (G3); Running with the boot time billed."""
         stored = await self.epochs.get(names.epoch_key(gang, epoch))
         assert stored is not None
+        job = await self.jobs.get(gang)
+        command = job.value.spec.command if job is not None else []
         launches = await asyncio.gather(
             *(
                 self.bus.request(
                     names.node_request(m.node, "launch"),
-                    LaunchRequest(gang=gang, epoch=epoch, rank=m.rank),
+                    LaunchRequest(gang=gang, epoch=epoch, rank=m.rank, command=command),
                     LaunchReply,
                     30,
                 )
@@ -180,7 +182,10 @@ class GangRun:
         if stored is None:
             return
         found = await asyncio.gather(
-            *(self.ranks.get(names.rank_key(gang, epoch, m.rank)) for m in stored.value.members)
+            *(
+                self.ranks.get(names.rank_key(gang, epoch, m.rank, m.node))
+                for m in stored.value.members
+            )
         )
         statuses = {f.key: f for f in found if f is not None}
         members = {m.rank: m.node for m in stored.value.members}

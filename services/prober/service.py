@@ -279,11 +279,13 @@ class Prober:
             log.warning("%s epoch %d: %s never joined", gang, epoch, sorted(set(nodes) - joined))
 
     async def _shim_checks(self, gang: str, epoch: int, nodes: list[str]) -> str | None:
+        job = await self.jobs.get(gang)
+        launcher = job.value.spec.command[:1] if job is not None else []
         replies = await asyncio.gather(
             *(
                 self.bus.request(
                     names.node_request(n, "shim-check"),
-                    ShimCheckRequest(gang=gang, epoch=epoch),
+                    ShimCheckRequest(gang=gang, epoch=epoch, launcher=launcher),
                     ShimCheckReply,
                     timeout=60,
                 )

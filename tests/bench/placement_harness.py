@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import signal
 import subprocess
@@ -17,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import nats
 import yaml
 from nats.js.api import KeyValueConfig, StorageType
 
 import libs
 from libs.bus import Bus
+from libs.bus.connection import connect
 from libs.bus.server import NatsServer, free_port
 from libs.client.client import Client
 from libs.contracts import names
@@ -120,7 +121,7 @@ class Processes:
 
 async def serve_echo(url: str) -> None:
     """The baseline's other end: a trivial request/reply responder in its own process."""
-    nc = await nats.connect(url, name="bench-echo")
+    nc = await connect(url, name="bench-echo")
 
     async def echo(msg: Any) -> None:
         await msg.respond(msg.data)
@@ -313,6 +314,8 @@ async def measure(
     log(f"generated {len(fleet)} machines and {len(jobs)} jobs in {result['generate_s']}s")
 
     server = processes.server = NatsServer(workdir / "nats").start()
+    # Authentication is on: this bench and the processes it starts are the bus's operator.
+    os.environ["NODUS_CREDENTIALS"] = server.credentials or ""
     children = processes.children
     buses: list[Bus] = []
     watch_task: asyncio.Task[None] | None = None

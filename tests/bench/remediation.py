@@ -264,6 +264,8 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="nodus-bench-remediation-") as tmp:
         state = Path(tmp)
         server = NatsServer(state / "nats").start()
+        # Authentication is on: this bench and the processes it starts are the bus's operator.
+        os.environ["NODUS_CREDENTIALS"] = server.credentials or ""
         process: subprocess.Popen[bytes] | None = None
         bus = await Bus.open(
             server.url,

@@ -130,6 +130,8 @@ async def run_async(args: argparse.Namespace, state: Path) -> dict[str, Any]:
     experiment: Experiment | None = None
     try:
         nats.start()
+        # Authentication is on: this bench and the processes it starts are the bus's operator.
+        os.environ["NODUS_CREDENTIALS"] = nats.credentials or ""
         bus = await Bus.open(nats.url, name="bench", buckets=names.ALL_BUCKETS, streams=True)
         experiment = Experiment(args, bus, nats)
         for config in args.configs:

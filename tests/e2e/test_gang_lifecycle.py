@@ -488,7 +488,7 @@ async def _lose_a_member_during_the_run(
     assert [(e.gang, e.epoch) for e in joined.epochs] == [(gang, 2)]
     for verb, body, kind in (
         ("probe-serve", ProbeServeRequest(gang=gang, epoch=1), ProbeServeReply),
-        ("launch", LaunchRequest(gang=gang, epoch=1, rank=1), LaunchReply),
+        ("launch", LaunchRequest(gang=gang, epoch=1, rank=1, command=["true"]), LaunchReply),
     ):
         with pytest.raises(NodusError) as refused:
             await bus.request(names.node_request(survivor, verb), body, kind)

@@ -22,6 +22,7 @@ import msgspec
 
 from app.netlab import CONTROL_ADDRESS, NetLab, in_namespace
 from libs.bus import Bus
+from libs.bus.auth import AGENT, RELAY
 from libs.bus.server import NatsServer
 from libs.contracts import names
 from libs.contracts.base import now
@@ -44,17 +45,24 @@ from libs.contracts.epochs import Epoch
 from libs.contracts.relay import Member
 from libs.wg import generate_private_key, key_to_base64, public_key
 from services.agent.direct import DirectMember
+from services.agent.main import AGENT_BUCKETS
 
-async def main(url, epoch_json, node, underlay):
+async def main(url, credentials, epoch_json, node, underlay):
     epoch = msgspec.json.decode(epoch_json, type=Epoch)
     me = next(m for m in epoch.members if m.node == node)
-    bus = await Bus.open(url, name=node, buckets=[names.BUCKET_MEMBERS, names.BUCKET_ICE,
-                                                  names.BUCKET_RELAYS, names.BUCKET_PATHS])
+    # As the agent does: its own bus user, confined to its node (S1).
+    bus = await Bus.open(url, name=node, credentials=credentials, buckets=AGENT_BUCKETS,
+                         inbox_prefix=f"_INBOX.{node}")
     private = generate_private_key()
+    record = Member(gang=epoch.gang, epoch=epoch.epoch, node=node, rank=me.rank,
+                    address=me.address, wg_public_key=key_to_base64(public_key(private)),
+                    joined_time=now())
     await bus.bucket(names.BUCKET_MEMBERS, Member).put(
-        names.member_key(epoch.gang, epoch.epoch, node),
-        Member(gang=epoch.gang, epoch=epoch.epoch, node=node, rank=me.rank, address=me.address,
-               wg_public_key=key_to_base64(public_key(private)), joined_time=now()))
+        names.member_key(epoch.gang, epoch.epoch, node), record)
+    for peer in epoch.members:
+        if peer.node != node:
+            await bus.bucket(names.BUCKET_PEERS, Member).put(
+                names.peer_key(epoch.gang, epoch.epoch, peer.node, node), record)
     member = DirectMember(bus, epoch, me, private, underlay=underlay)
     await member.start()
     peers = [m.node for m in epoch.members if m.node != node]
@@ -94,9 +102,10 @@ def epoch_of(machines: list[tuple[str, str]], gang: str = "acme.train", number: 
 
 
 def start_relay(
-    lab: NetLab, tmp_path: Path, url: str, index: int = 0, relays: int = 1
+    lab: NetLab, tmp_path: Path, server: NatsServer, index: int = 0, relays: int = 1
 ) -> subprocess.Popen[bytes]:
-    """Relay `index` of `relays`, meshed with the others (ports 4430 + i)."""
+    """Relay `index` of `relays`, meshed with the others (ports 4430 + i), with its own bus
+    user."""
     others = [f"{CONTROL_ADDRESS}:{4430 + i}" for i in range(relays) if i != index]
     mesh_key = tmp_path / "mesh.key"
     if not mesh_key.exists():
@@ -107,7 +116,9 @@ def start_relay(
         "app",
         "relay",
         "--nats",
-        url,
+        server.url,
+        "--credentials",
+        server.user(f"relay-{index}", RELAY, f"relay-{index}"),
         "--name",
         f"relay-{index}",
         "--region",
@@ -134,8 +145,14 @@ def start_relay(
     )
 
 
-async def _wait_for_stun(url: str, relays: int = 1) -> None:
-    bus = await Bus.open(url, name="test", buckets=names.ALL_BUCKETS, streams=True)
+async def _wait_for_stun(server: NatsServer, relays: int = 1) -> None:
+    bus = await Bus.open(
+        server.url,
+        name="test",
+        credentials=server.credentials,
+        buckets=names.ALL_BUCKETS,
+        streams=True,
+    )
     try:
         bucket = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
         for _ in range(200):
@@ -186,10 +203,10 @@ class Members:
 @contextlib.contextmanager
 def control_plane(
     lab: NetLab, tmp_path: Path, relays: int = 1
-) -> Iterator[tuple[str, list[subprocess.Popen[Any]]]]:
-    """nats-server and meshed relays (with STUN) in the lab's control namespace: the bus URL,
-    and a list whose processes are killed at the end (the relays first, by index, and what
-    the caller adds)."""
+) -> Iterator[tuple[NatsServer, list[subprocess.Popen[Any]]]]:
+    """nats-server (authentication on) and meshed relays (with STUN) in the lab's control
+    namespace: the bus, and a list whose processes are killed at the end (the relays first,
+    by index, and what the caller adds)."""
     server = NatsServer(
         tmp_path / "nats",
         port=4222,
@@ -199,9 +216,9 @@ def control_plane(
     others: list[subprocess.Popen[Any]] = []
     try:
         for index in range(relays):
-            others.append(start_relay(lab, tmp_path, server.url, index, relays))
-        asyncio.run(_wait_for_stun(server.url, relays))
-        yield server.url, others
+            others.append(start_relay(lab, tmp_path, server, index, relays))
+        asyncio.run(_wait_for_stun(server, relays))
+        yield server, others
     finally:
         for process in others:
             if process.poll() is None:
@@ -211,17 +228,20 @@ def control_plane(
 
 
 def start_members(
-    lab: NetLab, url: str, epoch: Epoch, addresses: dict[str, str], logs: Path
+    lab: NetLab, server: NatsServer, epoch: Epoch, addresses: dict[str, str], logs: Path
 ) -> Members:
     """The epoch's members on their machines (`addresses`: machine -> its address), once
-    every pair's first round ended on every one."""
+    every pair's first round ended on every one; each with its agent's bus user."""
+    url = server.url
     members = Members(url, {}, {}, logs)
     epoch_json = msgspec.json.encode(epoch).decode()
     began = time.monotonic()
     try:
         for planned in epoch.members:
             name = planned.node
-            argv = [sys.executable, "-c", MEMBER, url, epoch_json, name, addresses[name]]
+            credentials = server.user(f"agent-{name}", AGENT, name)
+            argv = [sys.executable, "-c", MEMBER, url, credentials, epoch_json, name]
+            argv.append(addresses[name])
             members.processes[name] = subprocess.Popen(
                 lab.machine_argv(name, argv),
                 stdin=subprocess.PIPE,
@@ -249,9 +269,9 @@ def direct_members(
 ) -> Iterator[Members]:
     """(machine, its address, its mesh address) as members of one Direct epoch, every pair's
     first round done; stopped afterwards. `members.others[:relays]` are the relays."""
-    with control_plane(lab, tmp_path, relays) as (url, others):
+    with control_plane(lab, tmp_path, relays) as (server, others):
         epoch = epoch_of([(n, mesh) for n, _, mesh in machines])
-        members = start_members(lab, url, epoch, {n: a for n, a, _ in machines}, tmp_path)
+        members = start_members(lab, server, epoch, {n: a for n, a, _ in machines}, tmp_path)
         others.extend(members.processes.values())
         members.others = others
         yield members

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from libs.bus import Bus
+from libs.bus.auth import AGENT
 from libs.bus.server import NatsServer
 from libs.contracts import names
 from libs.contracts.fleet import NodeRecord
@@ -55,7 +56,7 @@ async def _registered(url: str, node: str) -> NodeRecord:
 
 
 def test_an_agent_without_a_fleet_file_describes_this_machine(
-    nats_server: NatsServer, tmp_path: Path
+    nats_server: NatsServer, bus: Bus, tmp_path: Path
 ) -> None:
     facts = tmp_path / "machine.yaml"
     facts.write_text("pool: cpu\ncluster: lab\nregionClass: eu\n")
@@ -75,6 +76,8 @@ def test_an_agent_without_a_fleet_file_describes_this_machine(
             str(facts),
             "--nats",
             nats_server.url,
+            "--credentials",  # the agent's own bus user, confined to its node (S1)
+            nats_server.user("agent-me", AGENT, "me"),
             "--no-nodus0",
             "--no-port-rules",
             "--socks-listen",

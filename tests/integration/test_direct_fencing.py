@@ -65,18 +65,18 @@ def _reach(lab: NetLab, client: str, server: str, target: str) -> str:
 def test_a_fenced_epoch_and_other_gangs_are_unreachable_over_nodus0(
     lab: NetLab, tmp_path: Path
 ) -> None:
-    with control_plane(lab, tmp_path) as (url, others):
+    with control_plane(lab, tmp_path) as (server, others):
         first = epoch_of([("vm-a", "100.64.7.1"), ("vm-b", "100.64.7.2")], number=1)
-        old = start_members(lab, url, first, ADDRESSES, tmp_path)
+        old = start_members(lab, server, first, ADDRESSES, tmp_path)
         others.extend(old.processes.values())
         other_gang = epoch_of([("vm-d", "100.64.9.1"), ("vm-e", "100.64.9.2")], gang="globex.rl")
-        neighbours = start_members(lab, url, other_gang, ADDRESSES, tmp_path)
+        neighbours = start_members(lab, server, other_gang, ADDRESSES, tmp_path)
         others.extend(neighbours.processes.values())
         assert _reached(lab, "vm-b", "vm-a", "100.64.7.1") == "100.64.7.2"
 
         old.stop("vm-a")  # fenced on a; b is left on epoch 1
         second = epoch_of([("vm-a", "100.64.8.1"), ("vm-c", "100.64.8.2")], number=2)
-        new = start_members(lab, url, second, ADDRESSES, tmp_path)
+        new = start_members(lab, server, second, ADDRESSES, tmp_path)
         others.extend(new.processes.values())
 
         assert _reached(lab, "vm-c", "vm-a", "100.64.8.1") == "100.64.8.2"

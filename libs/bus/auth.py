@@ -1,0 +1,184 @@
+"""Who may do what on the bus (S1): one NKey user per process, and the permissions the NATS
+server enforces for each.
+
+Sans-I/O: identities, permissions and the server's `authorization` block as data; writing
+the files is `libs.bus.credentials`. An agent is confined to its own node: the keys it may
+write or read name it at a fixed token, so a static server configuration scopes it (NATS
+matches permissions token by token). Keys are `org.name.epoch...`; `*.*.*` is a gang epoch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import nkeys
+
+from libs.contracts import names
+
+# The roles a process can have. The services (placer, prober, remediator, monitor) and the
+# operator's CLI work across every gang and node, so they hold the Nodus subjects whole.
+AGENT = "agent"
+RELAY = "relay"
+SERVICE = "service"
+OPERATOR = "operator"
+ROLES = (AGENT, RELAY, SERVICE, OPERATOR)
+
+# Everything Nodus itself uses: what a service may publish and subscribe to.
+NODUS_SUBJECTS = ["nodus.>", "$JS.API.>", "$KV.>", "$JS.FC.>", "$JS.ACK.>", "$SRV.>", "_INBOX.>"]
+
+# A watch's consumer is named (libs.bus.kv), so its filter is part of the API subject.
+_CONSUMER_NAME = "*"
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """One process's NKey user: `name` says who (agent-<node>, relay-<name>, placer, ...)."""
+
+    name: str
+    role: str
+    seed: str  # SU...: the secret; written 0600 to the process's own file
+    public_key: str  # U...: what the server knows
+    node: str | None = None  # an agent's node; a relay's name
+
+    @property
+    def inbox_prefix(self) -> str:
+        """Replies to an agent come to its own inbox: it may not subscribe to `_INBOX.>`."""
+        return f"_INBOX.{self.node}" if self.role == AGENT and self.node else "_INBOX"
+
+
+def new_identity(name: str, role: str, node: str | None = None) -> Identity:
+    if role not in ROLES:
+        raise ValueError(f"unknown bus role {role!r}; one of {', '.join(ROLES)}")
+    if role in (AGENT, RELAY) and not node:
+        raise ValueError(f"a {role} identity names its node or relay")
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    public = nkeys.from_seed(bytearray(seed)).public_key
+    return Identity(name, role, seed.decode(), public.decode(), node)
+
+
+def public_key_of(seed: str) -> str:
+    """The user a seed signs for; a clear ValueError for anything that is not a user seed."""
+    try:
+        pair = nkeys.from_seed(bytearray(seed.strip().encode()))
+        public: bytes = pair.public_key
+    except Exception as error:  # nkeys raises its own and binascii errors
+        raise ValueError(f"not an NKey seed: {error!r}") from None
+    if not public.startswith(b"U"):
+        raise ValueError("not a user NKey seed (it must start with SU)")
+    return public.decode()
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """What one process may do to one bucket, as key patterns (NATS wildcards)."""
+
+    bucket: str
+    write: tuple[str, ...] = ()
+    read: tuple[str, ...] = ()  # get one key, and watch keys matching
+    open: bool = True  # may look the bucket up (stream info): every bucket it uses
+
+    def subjects(self) -> list[str]:
+        b, stream = self.bucket, f"KV_{self.bucket}"
+        out = [f"$JS.API.STREAM.INFO.{stream}"] if self.open else []
+        out += [f"$KV.{b}.{key}" for key in self.write]
+        for key in self.read:
+            out += [
+                f"$JS.API.DIRECT.GET.{stream}.$KV.{b}.{key}",
+                f"$JS.API.CONSUMER.CREATE.{stream}.{_CONSUMER_NAME}.$KV.{b}.{key}",
+            ]
+        if self.read:
+            out += [f"$JS.API.CONSUMER.INFO.{stream}.*", f"$JS.FC.{stream}.>"]
+        return out
+
+
+def agent_keys(node: str) -> list[Keys]:
+    """An agent's own records, and what is addressed to it; nothing of other nodes or gangs."""
+    epoch_of_gang = "*.*.*"  # org.name.epoch: any gang epoch, the node's token decides
+    return [
+        Keys(names.BUCKET_NODES, write=(node,), read=(node,)),
+        Keys(names.BUCKET_HEALTH, write=(node,), read=(node,)),
+        Keys(names.BUCKET_JOINKEYS, read=(f"{node}.>",)),
+        Keys(names.BUCKET_REDEEMED, write=(f"{node}.*",), read=(f"{node}.*",)),
+        Keys(names.BUCKET_MEMBERS, write=(f"{epoch_of_gang}.{node}",)),
+        # A member's record for each peer: written under <to>.<from>, read under <me>.*
+        Keys(
+            names.BUCKET_PEERS,
+            write=(f"{epoch_of_gang}.*.{node}",),
+            read=(f"{epoch_of_gang}.{node}.*",),
+        ),
+        # ICE offers <from>.<to>: its own, and those made to it
+        Keys(
+            names.BUCKET_ICE,
+            write=(f"{epoch_of_gang}.{node}.*",),
+            read=(f"{epoch_of_gang}.*.{node}",),
+        ),
+        Keys(names.BUCKET_PATHS, write=(f"{epoch_of_gang}.{node}",)),
+        Keys(names.BUCKET_RANKS, write=(f"{epoch_of_gang}.*.{node}",)),
+        Keys(names.BUCKET_RELAYS, read=(">",)),  # addresses and regions: public
+    ]
+
+
+def agent_permissions(node: str) -> dict[str, Any]:
+    publish = [s for keys in agent_keys(node) for s in keys.subjects()]
+    subscribe = [
+        f"_INBOX.{node}.>",
+        f"nodus.node.{node}.req.>",  # the requests addressed to this node
+        # NATS micro discovery ($SRV.PING, $SRV.INFO.nodus-agent, ...), answered as a reply
+        "$SRV.*",
+        "$SRV.*.nodus-agent",
+        "$SRV.*.nodus-agent.*",
+    ]
+    return {
+        "publish": {"allow": publish},
+        "subscribe": {"allow": subscribe},
+        "allow_responses": True,
+    }
+
+
+def relay_permissions(relay: str) -> dict[str, Any]:
+    """A relay reads every gang's members and epochs (it admits them), writes its own record
+    and its usage."""
+    keys = [
+        Keys(names.BUCKET_MEMBERS, read=(">",)),
+        Keys(names.BUCKET_EPOCHS, read=(">",)),
+        Keys(names.BUCKET_RELAYS, write=(relay,), read=(">",)),
+    ]
+    publish = [s for k in keys for s in k.subjects()]
+    publish += [
+        f"$JS.API.STREAM.INFO.{names.USAGE_STREAM}",
+        f"$JS.API.STREAM.INFO.{names.EVENTS_STREAM}",
+        f"nodus.usage.{relay}.>",
+    ]
+    return {
+        "publish": {"allow": publish},
+        "subscribe": {"allow": ["_INBOX.>"]},
+        "allow_responses": True,
+    }
+
+
+def permissions(identity: Identity) -> dict[str, Any] | None:
+    """None: the operator's CLI, which may do anything on this bus."""
+    if identity.role == AGENT:
+        assert identity.node
+        return agent_permissions(identity.node)
+    if identity.role == RELAY:
+        assert identity.node
+        return relay_permissions(identity.node)
+    if identity.role == SERVICE:
+        return {"publish": {"allow": NODUS_SUBJECTS}, "subscribe": {"allow": NODUS_SUBJECTS}}
+    return None
+
+
+def authorization(identities: list[Identity]) -> dict[str, Any]:
+    """The server's `authorization` block: every identity's NKey and permissions. A client
+    without a known key is refused at connect."""
+    users = []
+    for identity in identities:
+        user: dict[str, Any] = {"nkey": identity.public_key}
+        allowed = permissions(identity)
+        if allowed is not None:
+            user["permissions"] = allowed
+        users.append(user)
+    return {"users": users, "timeout": 2}
