@@ -38,6 +38,7 @@ from app.cli.common import (
 )
 from app.output import table, to_yaml
 from libs.bus import Bus
+from libs.client.client import client_credentials
 from libs.contracts import names
 from libs.contracts.base import convert, now
 from libs.contracts.errors import ErrorCode, NodusError
@@ -101,7 +102,10 @@ async def open_bus(
     args: argparse.Namespace, buckets: list[str] | None = BUCKETS
 ) -> AsyncIterator[Bus]:
     bus = await Bus.open(
-        args.nats, name="nodus-client", credentials=args.credentials, buckets=buckets
+        args.nats,
+        name="nodus-client",
+        credentials=args.credentials or client_credentials(),
+        buckets=buckets,
     )
     try:
         yield bus

@@ -11,6 +11,7 @@ import msgspec
 import yaml
 
 from libs.bus import Bus, Versioned
+from libs.bus.connection import default_credentials
 from libs.contracts import names
 from libs.contracts.api import ApplyReply, ApplyRequest, DeleteReply, DeleteRequest
 from libs.contracts.base import convert, decode
@@ -94,7 +95,10 @@ class Client:
     async def connect(cls, url: str | None = None, credentials: str | None = None) -> Client:
         return cls(
             await Bus.open(
-                url, name="nodus-client", credentials=credentials, buckets=CLIENT_BUCKETS
+                url,
+                name="nodus-client",
+                credentials=credentials or client_credentials(),
+                buckets=CLIENT_BUCKETS,
             )
         )
 
@@ -251,3 +255,16 @@ def job_document(job: Job) -> dict[str, Any]:
     ordered = {"apiVersion": data.pop("apiVersion", "nodus/v1"), "kind": data.pop("kind", "Job")}
     ordered.update(data)
     return ordered
+
+
+# Where `nodus up` (default state dir) keeps the operator's seed: the CLI run beside it
+# reaches that bus without an export.
+LOCAL_OPERATOR = Path(".nodus") / "nats" / "users" / "operator.nk"
+
+
+def client_credentials() -> str | None:
+    """The CLI's bus user: NODUS_CREDENTIALS, else the local `nodus up`'s operator."""
+    found = default_credentials()
+    if found:
+        return found
+    return str(LOCAL_OPERATOR) if LOCAL_OPERATOR.is_file() else None

@@ -5,8 +5,10 @@ violation it reports), not a check of ours."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import nats
 import nats.errors
@@ -196,3 +198,22 @@ async def test_a_relay_writes_only_its_own_record(nats_server: NatsServer, bus: 
         assert await relay.refused("kv_nodus-joinkeys")
     finally:
         await relay.nc.close()
+
+
+async def test_the_cli_beside_nodus_up_finds_the_operators_key(
+    nats_server: NatsServer, bus: Bus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`nodus up` keeps the operator's seed in .nodus/nats/users/: a CLI run there needs no
+    export (and without one, anywhere else, it says what to pass)."""
+    from libs.client.client import LOCAL_OPERATOR, Client
+
+    assert nats_server.credentials is not None
+    monkeypatch.delenv("NODUS_CREDENTIALS")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(NodusError) as refused:
+        await Client.connect(nats_server.url)
+    assert refused.value.code is ErrorCode.UNAUTHORIZED
+    LOCAL_OPERATOR.parent.mkdir(parents=True)
+    shutil.copy(nats_server.credentials, LOCAL_OPERATOR)
+    client = await Client.connect(nats_server.url)
+    await client.close()
