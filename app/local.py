@@ -181,6 +181,8 @@ class LocalSystem:
 
     def start_placer(self, index: int) -> Child:
         args = ["placer", "--replica", f"placer-{index}", "--shim-path", str(SHIM_PATH)]
+        # The machines of this host share its filesystem: the jobs' checkpoints live here.
+        args += ["--checkpoint-root", str((self.state_dir / "checkpoints").resolve())]
         if self.placer_config:
             args += ["--config", str(self.placer_config)]
         return self._spawn(f"placer-{index}", args)

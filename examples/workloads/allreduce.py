@@ -5,8 +5,15 @@ every rank listens on an ephemeral port of its own address (as NCCL and Gloo do)
 form a ring over TCP. It all-reduces a vector, checks the sum on every rank, and prints one
 JSON line with the bus bandwidth (as nccl-tests defines it). Exit code 0 only if verified.
 
+Each iteration is a step of a job that can be restarted: with NODUS_CHECKPOINT_DIR (set by
+Nodus, shared by the ranks and kept across epochs) rank 0 records every finished step, and a
+restarted gang (NODUS_RESTART_COUNT > 0) resumes after the last one. Every step's data differs,
+so a resumed run verifies the same result as one that never stopped.
+
     MASTER_ADDR MASTER_PORT RANK|NODE_RANK WORLD_SIZE NODUS_NODE_IPS  (set by Nodus)
+    NODUS_CHECKPOINT_DIR NODUS_RESTART_COUNT                          (set by Nodus)
     ALLREDUCE_MIB (default 16)  ALLREDUCE_ITERS (default 3)
+    ALLREDUCE_STEP_SECONDS (default 0: a pause after each step, to stop a run midway)
 """
 
 from __future__ import annotations
@@ -132,6 +139,32 @@ def ring_allreduce(
         data[r0:r1] = array(data.typecode, exchange(data[s0:s1].tobytes(), (r1 - r0) * item))
 
 
+CHECKPOINT = "allreduce-checkpoint.json"
+
+
+def load_checkpoint(directory: str | None) -> dict[str, object]:
+    """The last finished step, as rank 0 recorded it; nothing yet: step -1."""
+    if not directory:
+        return {"step": -1, "verified": True}
+    try:
+        with open(os.path.join(directory, CHECKPOINT)) as f:
+            loaded: dict[str, object] = json.load(f)
+            return loaded
+    except FileNotFoundError:
+        return {"step": -1, "verified": True}
+
+
+def save_checkpoint(directory: str, step: int, verified: bool) -> None:
+    """Atomically: a rank killed while writing leaves the previous checkpoint."""
+    os.makedirs(directory, exist_ok=True)
+    partial = os.path.join(directory, f".{CHECKPOINT}.{os.getpid()}")
+    with open(partial, "w") as f:
+        json.dump({"step": step, "verified": verified}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, os.path.join(directory, CHECKPOINT))
+
+
 def main() -> int:
     rank = env_int("RANK", "NODE_RANK", "PET_NODE_RANK")
     world = env_int("WORLD_SIZE", "PET_NNODES")
@@ -140,24 +173,33 @@ def main() -> int:
     own = ips[rank] if len(ips) == world else socket.gethostbyname(socket.gethostname())
     size = env_int("ALLREDUCE_MIB", default=16) << 20
     iterations = env_int("ALLREDUCE_ITERS", default=3)
+    pause = float(os.environ.get("ALLREDUCE_STEP_SECONDS", "0"))
+    checkpoints = os.environ.get("NODUS_CHECKPOINT_DIR")
     count = size // 8
+    # Read before the rendezvous: nobody writes until every rank finished a step.
+    resumed = load_checkpoint(checkpoints)
+    first_step = int(str(resumed["step"])) + 1
 
     started = time.monotonic()
     to_next, from_prev = rendezvous(rank, world, own, master)
     connected = time.monotonic() - started
-    expected = [float(sum(r + (i % 7) for r in range(world))) for i in range(7)]
     times = []
-    ok = True
-    for _ in range(iterations + 1):  # the first is a warm-up
-        data = array("d", (float(rank + (i % 7)) for i in range(count)))
+    ok = bool(resumed["verified"])
+    for step in range(first_step, iterations + 1):  # step 0 is a warm-up
+        expected = [float(sum(r + (i % 7) + step for r in range(world))) for i in range(7)]
+        data = array("d", (float(rank + (i % 7) + step) for i in range(count)))
         t0 = time.monotonic()
         ring_allreduce(data, rank, world, to_next, from_prev)
         times.append(time.monotonic() - t0)
         ok &= all(data[i] == expected[i % 7] for i in range(0, count, max(1, count // 4096)))
         ok &= data[count - 1] == expected[(count - 1) % 7]
+        if checkpoints and rank == 0:
+            save_checkpoint(checkpoints, step, ok)
+        if pause:
+            time.sleep(pause)
     to_next.close()
     from_prev.close()
-    best = min(times[1:]) if len(times) > 1 else times[0]
+    best = min(times[1:]) if len(times) > 1 else (times[0] if times else float("nan"))
     algbw = size / best / 1e9 * 8
     report = {
         "rank": rank,
@@ -167,6 +209,9 @@ def main() -> int:
         "algGbps": round(algbw, 4),
         "busGbps": round(algbw * 2 * (world - 1) / world, 4),
         "rendezvousSeconds": round(connected, 3),
+        "restartCount": env_int("NODUS_RESTART_COUNT", default=0),
+        "resumedAtStep": first_step,
+        "steps": iterations + 1,
         "verified": ok,
     }
     print(json.dumps(report), flush=True)

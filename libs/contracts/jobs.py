@@ -150,6 +150,9 @@ class JobStatus(Record):
     avoid: list[str] = []
     # Set when a transport: Auto gang's direct path failed its probe: it continues as Relayed.
     path_override: PathClass | None = None
+    # Epochs whose ranks were started: the next epoch's ranks are a restart if it is > 0, and
+    # get it as NODUS_RESTART_COUNT (they resume from their checkpoint).
+    runs: int = 0
 
 
 class Job(Record):

@@ -143,6 +143,8 @@ REMEDIATION_BUCKETS = [
     BUCKET_HOSTS,
 ]
 ALL_BUCKETS += [BUCKET_CORDONS]  # the placer reads cordons
+# The prober reads a failed rank's machine: a fault or a repair may explain it (R17).
+ALL_BUCKETS += [BUCKET_ALERTS, BUCKET_REMEDIATIONS]
 
 
 def signal_key(node: str, source: str) -> str:

@@ -41,6 +41,10 @@ class PlacerConfig(Record):
     )
     master_port: Annotated[int, msgspec.Meta(ge=1024, le=65535)] = 29500
     shim_path: str = "/opt/nodus/lib/libnodus-netshim.so"
+    # A directory every machine mounts (a shared filesystem): each job gets
+    # `<root>/<org>/<name>/<admitted, unix s>` as NODUS_CHECKPOINT_DIR, the same in every
+    # epoch. None: not set.
+    checkpoint_root: str | None = None
     heartbeat_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = HEARTBEAT_TIMEOUT_SECONDS
     # Attempts (epochs and collision retries) before a gang is left Pending with the reasons.
     max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 8

@@ -157,6 +157,7 @@ class Alert(Record):
     # Bumps on a new episode and whenever a repair for it ends: names its next remediation.
     generation: int = 1
     boot_id: str = ""
+    breaks_workload: bool = False  # R17: a running gang's member is lost at once
 
 
 class Recommendation(Record):
@@ -180,6 +181,7 @@ class Recommendation(Record):
     ladder_key: str = ""
     evidence: list[Evidence] = []
     remediation_id: str | None = None
+    breaks_workload: bool = False  # R17
 
 
 class Requester(Record):
@@ -249,6 +251,7 @@ class Remediation(Record):
     diagnostics: list[str] = []
     history: list[Transition] = []
     settled: bool = False  # after the end: slots released, ladder and alerts updated
+    breaks_workload: bool = False  # R17: no idle wait; the gang on it was restarted at once
 
     @property
     def active(self) -> bool:

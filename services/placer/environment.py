@@ -45,6 +45,14 @@ def check_backend_names(job: Job, backend: str) -> None:
             )
 
 
+def checkpoint_dir(root: str, job: Job) -> str:
+    """Per job, kept across its epochs, the same on every machine; a job applied again under
+    the same name after a delete starts afresh (its admission time names it)."""
+    where = f"{root.rstrip('/')}/{job.metadata.org}/{job.metadata.name}"
+    created = job.status.created_time
+    return f"{where}/{int(created.timestamp())}" if created is not None else where
+
+
 def rank_environments(
     job: Job,
     plan: Plan,
@@ -52,6 +60,7 @@ def rank_environments(
     epoch: int,
     master_port: int,
     shim_path: str,
+    checkpoint_root: str | None = None,
 ) -> list[dict[str, str]]:
     """The whole environment of every rank, in rank order."""
     members = plan.members
@@ -71,6 +80,9 @@ def rank_environments(
             {
                 "NODUS_GANG": job.key,
                 "NODUS_EPOCH": str(epoch),
+                # How many earlier epochs started this job's ranks: a restart resumes.
+                "NODUS_RESTART_COUNT": str(job.status.runs),
+                "TORCHELASTIC_RESTART_COUNT": str(job.status.runs),
                 "NODUS_GANG_TRANSPORT": plan.path.value,
                 "MASTER_ADDR": master,
                 "MASTER_PORT": str(master_port),
@@ -92,6 +104,8 @@ def rank_environments(
                 acc.visible_devices_var: ",".join(str(i) for i in range(len(devices))),
             }
         )
+        if checkpoint_root:
+            env["NODUS_CHECKPOINT_DIR"] = checkpoint_dir(checkpoint_root, job)
         env.pop("LD_PRELOAD", None)
         if plan.path is PathClass.RELAYED:
             # The shim first, then the image's own preloads (G8).

@@ -31,12 +31,19 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shim-path", help="path of libnodus-netshim.so on the members (overrides the config)"
     )
+    parser.add_argument(
+        "--checkpoint-root",
+        help="a directory every machine mounts: each job's NODUS_CHECKPOINT_DIR is "
+        "ROOT/ORG/NAME/ADMITTED, kept across its epochs (overrides the config)",
+    )
 
 
 async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
     config = load_config(args.config)
     if args.shim_path:
         config.shim_path = args.shim_path
+    if args.checkpoint_root:
+        config.checkpoint_root = args.checkpoint_root
     bus = await Bus.open(
         args.nats,
         name="nodus-placer",

@@ -635,7 +635,13 @@ class Placer:
         t: datetime,
     ) -> Epoch:
         envs = rank_environments(
-            job, plan, records, epoch, self.config.master_port, self.config.shim_path
+            job,
+            plan,
+            records,
+            epoch,
+            self.config.master_port,
+            self.config.shim_path,
+            self.config.checkpoint_root,
         )
         bounds = derive(plan.path, len(plan.members))
         return Epoch(

@@ -19,7 +19,7 @@ from libs.bus import Bus
 from libs.bus.kv import Bucket
 from libs.contracts import names
 from libs.contracts.base import now
-from libs.contracts.epochs import Epoch
+from libs.contracts.epochs import Epoch, Lease
 from libs.contracts.errors import NodusError
 from libs.contracts.jobs import (
     Billing,
@@ -32,8 +32,14 @@ from libs.contracts.jobs import (
 )
 from libs.contracts.lifecycle import LaunchReply, LaunchRequest, RankStatus, StopRequest
 from libs.contracts.relay import MemberPaths, UsageRecord
+from libs.contracts.remediation import Alert, Remediation
+from libs.gangs import FAULT_BROKE_MEMBER, restart_gang
 from libs.runtime.tasks import TaskSet
 from services.prober.metrics import DEGRADED, JOBS, forget_gang
+from services.prober.platform import platform_cause
+
+# How long a failed rank waits for the fault that may explain it (its alert).
+PLATFORM_GRACE_SECONDS = 5.0
 
 log = logging.getLogger("nodus.prober")
 
@@ -50,6 +56,9 @@ class GangRun:
         self.jobs = bus.bucket(names.BUCKET_JOBS, Job)
         self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
         self.ranks = bus.bucket(names.BUCKET_RANKS, RankStatus)
+        # What the remediator saw of a machine: a rank's failure may be the platform's (R17).
+        self.alerts = bus.bucket(names.BUCKET_ALERTS, Alert)
+        self.remediations = bus.bucket(names.BUCKET_REMEDIATIONS, Remediation)
         self.paths = bus.bucket(names.BUCKET_PATHS, MemberPaths)
         self.tasks = TaskSet("gang run", log)
 
@@ -92,6 +101,7 @@ class GangRun:
                 phase=Phase.RUNNING,
                 run_started_time=started,
                 billing=boot_billed(status, started),
+                runs=status.runs + 1,
             )
 
         if not await update_job(self.jobs, gang, epoch, running, {Phase.PROBING}):
@@ -196,6 +206,8 @@ class GangRun:
         ]
         if failed:
             first = min(failed, key=lambda s: s.ended_time or now())
+            if await self._platform_failed(gang, epoch, first):
+                return
             await self._finish(
                 gang,
                 epoch,
@@ -215,6 +227,33 @@ class GangRun:
             await self._finish(
                 gang, epoch, True, "Completed", f"all {len(members)} ranks exited 0", last
             )
+
+    async def _platform_failed(self, gang: str, epoch: int, rank: RankStatus) -> bool:
+        """R17: the rank's machine had a fault that breaks a member, or a repair was taking
+        it: a member loss (placed again without the machine), not the workload failing. The
+        fault's alert may come a moment after the rank died: it is waited for, briefly."""
+        ended = rank.ended_time or now()
+        deadline = asyncio.get_running_loop().time() + PLATFORM_GRACE_SECONDS
+        while True:
+            alerts = await self.alerts.snapshot(f"{rank.node}.>")
+            repairs = await self.remediations.snapshot(f"{rank.node}.>")
+            cause = platform_cause(
+                rank.node,
+                ended,
+                [a.value for a in alerts.values()],
+                [r.value for r in repairs.values()],
+            )
+            if cause is not None or asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(0.5)
+        if cause is None:
+            return False
+        message = (
+            f"rank {rank.rank} on {rank.node} exited with code {rank.exit_code} because of the "
+            f"platform: {cause}; epoch {epoch} ends and the gang is placed again without it"
+        )
+        lease = Lease(gang=gang, epoch=epoch, placer="prober")
+        return await restart_gang(self.bus, rank.node, lease, FAULT_BROKE_MEMBER, message)
 
     async def _finish(
         self, gang: str, epoch: int, succeeded: bool, reason: str, message: str, t: datetime

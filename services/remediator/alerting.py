@@ -10,10 +10,12 @@ from datetime import datetime
 from typing import Any
 
 from libs.contracts import names
-from libs.contracts.remediation import Alert, SignalReport
+from libs.contracts.remediation import Alert, AlertState, SignalReport
+from libs.gangs import FAULT_BROKE_MEMBER, restart_gang
 from services.remediator import alerts as alert_rules
 from services.remediator import decide, guardrails, ladder, metrics
 from services.remediator.alerts import AlertSettings, Placement
+from services.remediator.catalog import breaks_workload_rule
 from services.remediator.store import Store
 
 
@@ -63,6 +65,22 @@ class Alerting:
                     written.value,
                     f"{aid}.{written.revision}",
                 )
+                if written.value.state is AlertState.FIRING and written.value.breaks_workload:
+                    await self._member_lost(written.value)
+
+    async def _member_lost(self, alert: Alert) -> None:
+        """R17: the fault took away what the member's ranks run on. The gang on the node does
+        not wait for the persistence window or a repair: its epoch ends now, and it is placed
+        again without the node (the repair later finds the node idle)."""
+        held = self.store.leases.get(alert.node)
+        if held is None:
+            return
+        message = (
+            f"{alert.node}: {breaks_workload_rule(alert.summary)}; epoch {held.value.epoch} "
+            f"ends (alert {alert.id})"
+        )
+        if await restart_gang(self.store.bus, alert.node, held.value, FAULT_BROKE_MEMBER, message):
+            metrics.MEMBERS_LOST.inc()
 
     async def recommend(self, node: str, now: datetime) -> None:
         store = self.store

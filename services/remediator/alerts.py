@@ -117,6 +117,7 @@ def _fired(finding: Finding, report: SignalReport, where: Placement) -> Alert:
         window_start_time=seen,
         evidence=[finding.evidence],
         boot_id=report.boot_id,
+        breaks_workload=told.breaks_workload,
     )
 
 

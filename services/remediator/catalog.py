@@ -22,6 +22,9 @@ class XidEntry:
     action: Action
     meaning: str
     transient: bool = False  # an application error: its alert clears on its own
+    # R17: the GPU the ranks run on is gone until the repair (a reset or power loss, or
+    # memory it can no longer trust); a running gang's member is lost at once.
+    breaks_workload: bool = False
 
 
 def _app(code: int, name: str, meaning: str) -> XidEntry:
@@ -74,6 +77,7 @@ XID_CATALOG: dict[int, XidEntry] = {
             Action.REBOOT,
             "an uncorrectable double-bit error in GPU memory; the GPU must be reset (the machine "
             "is rebooted) so the bad memory is retired or remapped",
+            breaks_workload=True,
         ),
         XidEntry(
             61,
@@ -81,6 +85,7 @@ XID_CATALOG: dict[int, XidEntry] = {
             "critical",
             Action.REBOOT,
             "the GPU's internal micro-controller stopped; a GPU reset (reboot) recovers it",
+            breaks_workload=True,
         ),
         XidEntry(
             62,
@@ -88,6 +93,7 @@ XID_CATALOG: dict[int, XidEntry] = {
             "critical",
             Action.REBOOT,
             "the GPU's internal micro-controller halted; a GPU reset (reboot) recovers it",
+            breaks_workload=True,
         ),
         XidEntry(
             63,
@@ -104,6 +110,7 @@ XID_CATALOG: dict[int, XidEntry] = {
             Action.REBOOT,
             "the driver could not record a page retirement or row remap; reset the GPU (reboot), "
             "and if it recurs the GPU needs replacing",
+            breaks_workload=True,
         ),
         XidEntry(
             74,
@@ -111,6 +118,7 @@ XID_CATALOG: dict[int, XidEntry] = {
             "critical",
             Action.REBOOT,
             "an NVLink connection failed; a GPU reset (reboot) retrains the links",
+            breaks_workload=True,
         ),
         XidEntry(
             79,
@@ -119,6 +127,7 @@ XID_CATALOG: dict[int, XidEntry] = {
             Action.POWER_CYCLE,
             "the GPU no longer answers on the PCIe bus; only a loss of power brings it back, so "
             "the host is power cycled",
+            breaks_workload=True,
         ),
         XidEntry(
             92,
@@ -143,6 +152,7 @@ XID_CATALOG: dict[int, XidEntry] = {
             Action.REBOOT,
             "an uncorrectable memory error could not be contained; every application on the GPU "
             "is affected and the GPU must be reset (reboot)",
+            breaks_workload=True,
         ),
         XidEntry(
             119,
@@ -151,6 +161,7 @@ XID_CATALOG: dict[int, XidEntry] = {
             Action.REBOOT,
             "the GPU System Processor stopped answering the driver; a GPU reset (reboot) "
             "recovers it",
+            breaks_workload=True,
         ),
         XidEntry(
             120,
@@ -158,6 +169,7 @@ XID_CATALOG: dict[int, XidEntry] = {
             "critical",
             Action.REBOOT,
             "the GPU System Processor reported an error; a GPU reset (reboot) recovers it",
+            breaks_workload=True,
         ),
         XidEntry(
             140,
@@ -165,6 +177,7 @@ XID_CATALOG: dict[int, XidEntry] = {
             "critical",
             Action.REBOOT,
             "the driver could not recover from a memory error; the GPU must be reset (reboot)",
+            breaks_workload=True,
         ),
         XidEntry(
             154,
@@ -172,6 +185,7 @@ XID_CATALOG: dict[int, XidEntry] = {
             "critical",
             Action.REBOOT,
             "the driver says the GPU needs a reset or the node a reboot",
+            breaks_workload=True,
         ),
     ]
 }
@@ -210,6 +224,7 @@ class KindEntry:
     severity: Severity
     action: Action
     meaning: str
+    breaks_workload: bool = False  # R17, as for Xids
 
 
 KINDS: dict[AlertKind, KindEntry] = {
@@ -219,6 +234,7 @@ KINDS: dict[AlertKind, KindEntry] = {
         Action.POWER_CYCLE,
         "the GPU or its PCIe link stopped answering; only a loss of power brings it back, so "
         "the host is power cycled",
+        breaks_workload=True,
     ),
     AlertKind.ECC_DOUBLE_BIT: KindEntry(
         "Double-bit ECC errors",
@@ -226,6 +242,7 @@ KINDS: dict[AlertKind, KindEntry] = {
         Action.REBOOT,
         "DCGM counts uncorrectable (double-bit) memory errors since the last GPU reset; the GPU "
         "must be reset (reboot) so the bad rows are remapped",
+        breaks_workload=True,
     ),
     AlertKind.ROW_REMAP_PENDING: KindEntry(
         "Row remapping pending",
@@ -240,6 +257,7 @@ KINDS: dict[AlertKind, KindEntry] = {
         Action.MIGRATE,
         "the GPU has no spare memory rows left to remap bad ones; the hardware must be replaced, "
         "so the machine moves to another host",
+        breaks_workload=True,
     ),
     AlertKind.THERMAL_THROTTLING: KindEntry(
         "GPU thermal throttling",
@@ -254,6 +272,7 @@ KINDS: dict[AlertKind, KindEntry] = {
         Action.REBOOT,
         "the kernel remounted a filesystem read-only after I/O errors (Node Problem Detector "
         "condition ReadonlyFilesystem); a reboot checks and remounts it",
+        breaks_workload=True,
     ),
     AlertKind.INFINIBAND_PORT_DOWN: KindEntry(
         "InfiniBand port down",
@@ -274,6 +293,7 @@ KINDS: dict[AlertKind, KindEntry] = {
         Action.REBOOT,
         "the host-side reachability check failed several times in a row; the machine is "
         "rebooted from the host side",
+        breaks_workload=True,
     ),
     AlertKind.NODE_NOT_READY: KindEntry(
         "Node not ready",
@@ -297,6 +317,7 @@ class Meaning:
     description: str
     severity: Severity
     action: Action
+    breaks_workload: bool = False
 
 
 def meaning(
@@ -311,6 +332,7 @@ def meaning(
             description=f"The NVIDIA driver logged Xid {xid}, {entry.name}: {entry.meaning}.",
             severity=entry.severity,
             action=entry.action,
+            breaks_workload=entry.breaks_workload,
         )
     kind_entry = KINDS[kind]
     return Meaning(
@@ -318,4 +340,13 @@ def meaning(
         description=kind_entry.meaning[:1].upper() + kind_entry.meaning[1:] + ".",
         severity=kind_entry.severity,
         action=kind_entry.action,
+        breaks_workload=kind_entry.breaks_workload,
+    )
+
+
+def breaks_workload_rule(summary: str) -> str:
+    """The rule as the audit trail and the job's events say it (R17)."""
+    return (
+        f"R17: {summary} takes away what the member's ranks run on; a running gang's epoch "
+        "ends at once and the repair does not wait for idle"
     )

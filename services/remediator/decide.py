@@ -15,6 +15,7 @@ from libs.contracts.remediation import (
     Recommendation,
 )
 from services.remediator import ladder as ladders
+from services.remediator.catalog import breaks_workload_rule
 from services.remediator.guardrails import Settings, persisted
 
 
@@ -65,6 +66,8 @@ def recommend(
     for step in [*why, r11]:
         if step:
             rule += f"; {step}"
+    if alert.breaks_workload:
+        rule += f"; {breaks_workload_rule(alert.summary)}"
     # the recommendation of this generation of the alert, as it stands
     same = current if current is not None and current.generation == alert.generation else None
     if same is not None and same.action is action and same.rule == rule:
@@ -87,4 +90,5 @@ def recommend(
         ladder_key=key,
         evidence=alert.evidence,
         remediation_id=same.remediation_id if same is not None else None,
+        breaks_workload=alert.breaks_workload,
     )

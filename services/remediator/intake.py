@@ -137,6 +137,7 @@ class Intake:
             created_time=now,
             approved_time=now if approval.approver else None,
             history=[Transition(state=state, time=now, by=self.replica, reason=reason)],
+            breaks_workload=rec.breaks_workload,
         )
 
     async def _link(self, rec: Recommendation, rid: str) -> None:

@@ -105,6 +105,10 @@ def idle_decision(rem: Remediation, running: list[str], now: datetime) -> IdleDe
     if not running:
         return IdleDecision(True, [], "node is idle")
     gangs = ", ".join(sorted(running))
+    if rem.breaks_workload:  # R17: its ranks cannot run; never-interrupt is for the others
+        return IdleDecision(
+            True, sorted(running), f"the fault broke {gangs}'s member: its epoch ends (R17)"
+        )
     if rem.never_interrupt or rem.idle_deadline_time is None:
         return IdleDecision(False, [], f"waiting for idle: {gangs} running; never interrupts")
     if now < rem.idle_deadline_time:

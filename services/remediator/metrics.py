@@ -45,3 +45,7 @@ DECISION_SECONDS = Histogram(
     "From a signal report to its recommendation, after the persistence window",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
 )
+MEMBERS_LOST = Counter(
+    "nodus_remediator_members_lost_total",
+    "Running gangs whose epoch a fault ended at once: it broke what a member runs on (R17)",
+)

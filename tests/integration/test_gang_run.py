@@ -143,6 +143,74 @@ async def test_a_failing_rank_fails_the_job_and_stops_the_others(system: Client)
     await asyncio.sleep(0.5)
 
 
+async def test_a_rank_that_a_platform_fault_killed_is_a_member_loss_not_a_failure(
+    system: Client, bus: Bus
+) -> None:
+    """R17: rank 1 exits 3 just as its machine's GPU falls off the bus (the remediator's
+    alert, written here as it writes it): the gang goes back to placement without the machine,
+    and the job does not fail."""
+    from datetime import timedelta
+
+    from libs.contracts.base import now
+    from libs.contracts.remediation import Action, Alert, AlertKind, AlertState
+
+    client = system
+    script = (
+        "import os, sys, time; time.sleep(2); "
+        "sys.exit(3) if os.environ['NODE_RANK'] == '1' else time.sleep(60)"
+    )
+    await client.apply(
+        job(
+            "gpu-lost",
+            org="acme",
+            command=[sys.executable, "-c", script],
+            accelerators={"model": "L4"},
+            distributed={"members": 2, "transport": "Auto"},
+        )
+    )
+
+    async def running() -> bool:
+        return (await client.get_job("gpu-lost")).status.phase is Phase.RUNNING
+
+    await eventually(running, 60)
+    current = await client.get_job("gpu-lost")
+    assert current.status.gang is not None
+    node = next(m.node for m in current.status.gang.members if m.rank == 1)
+    seen = now() + timedelta(seconds=1)  # the Xid line is read a moment after the rank died
+    await bus.bucket(names.BUCKET_ALERTS, Alert).put(
+        f"{node}.xid-79.0",
+        Alert(
+            id=f"{node}.xid-79.0",
+            node=node,
+            kind=AlertKind.XID,
+            subject="0",
+            severity="critical",
+            summary=f"Xid 79 (GPU has fallen off the bus) on GPU 0 on {node}",
+            description="",
+            source="kmsg",
+            action=Action.POWER_CYCLE,
+            state=AlertState.FIRING,
+            first_seen_time=seen,
+            last_seen_time=seen,
+            window_start_time=seen,
+            xid=79,
+            breaks_workload=True,
+        ),
+    )
+
+    async def lost() -> bool:
+        status = (await client.get_job("gpu-lost")).status
+        return status.phase is Phase.PENDING and node in status.avoid
+
+    await eventually(lost, 30)
+    again = await client.get_job("gpu-lost")
+    assert again.status.phase is not Phase.FAILED
+    broke = [e for e in await client.events(again) if e.kind == "FaultBrokeMember"]
+    assert broke and "code 3" in broke[0].message and "Xid 79" in broke[0].message
+    assert again.status.runs == 1  # the next epoch's ranks get NODUS_RESTART_COUNT=1
+    await client.delete("gpu-lost")
+
+
 async def test_a_static_launcher_fails_at_once_with_shim_not_loaded(system: Client) -> None:
     static = STATIC_LAUNCHER
     await system.apply(

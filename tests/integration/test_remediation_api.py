@@ -182,7 +182,7 @@ async def test_cancel_and_a_cordon_placed_by_someone_else_stays(fleet: Fleet) ->
     # a repair waiting for idle can be cancelled; a running one cannot
     leases = fleet.bus.bucket(names.BUCKET_LEASES, Lease)
     await leases.put("gpu-a", Lease(gang="acme.train", epoch=1, placer="p", created_time=now()))
-    fleet.inject("gpu-a", "readonly-fs")
+    fleet.inject("gpu-a", "row-remap-pending")  # it waits for idle (R17's faults do not)
     fleet.clock.advance(minutes=40)
     waiting = await fleet.remediation_in("gpu-a", RemediationState.WAITING_IDLE)
     reply = await fleet.bus.request(

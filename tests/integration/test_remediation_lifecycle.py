@@ -36,7 +36,8 @@ async def test_approved_reboot_waits_for_idle_repairs_revalidates_and_rejoins(
     await fleet.add_machines(["gpu-a", "gpu-b"], pool="h100", cluster="c1")
     await fleet.start_remediator()
     boot_before = fleet.agents["gpu-a"].boot_id
-    fleet.inject("gpu-a", "xid", xid=48)
+    # A fault that leaves the workload running waits for idle (R6; R17's do not).
+    fleet.inject("gpu-a", "row-remap-pending")
     await fleet.until(lambda: has_alerts(fleet, 1))
     leases = fleet.bus.bucket(names.BUCKET_LEASES, Lease)
     await leases.put("gpu-a", Lease(gang="acme.train", epoch=1, placer="p", created_time=now()))
@@ -59,7 +60,7 @@ async def test_approved_reboot_waits_for_idle_repairs_revalidates_and_rejoins(
     assert done.requester.kind == "automatic"
     assert done.approver is not None and done.approver.kind == "human"
     assert done.approver.name == "alice"
-    assert done.rule.startswith("Xid 48 -> Reboot")
+    assert done.rule.startswith("RowRemapPending -> Reboot")
     assert done.created_time <= done.approved_time <= done.started_time <= done.finished_time  # type: ignore[operator]
     assert [h.state for h in done.history] == [
         RemediationState.PENDING,
@@ -103,7 +104,7 @@ async def test_idle_wait_max_then_interrupts_and_restarts_the_gang(fleet: Fleet)
     await jobs.put(running.key, running)
     leases = fleet.bus.bucket(names.BUCKET_LEASES, Lease)
     await leases.put("gpu-a", Lease(gang="acme.train", epoch=3, placer="p", created_time=now()))
-    fleet.inject("gpu-a", "readonly-fs")
+    fleet.inject("gpu-a", "row-remap-pending")  # leaves the workload running (not R17)
     await fleet.until(lambda: has_alerts(fleet, 1))
     fleet.clock.advance(seconds=61)
     waiting = await fleet.remediation_in("gpu-a", RemediationState.WAITING_IDLE)
@@ -134,7 +135,7 @@ async def test_never_interrupt_waits_without_limit(fleet: Fleet) -> None:
     await fleet.start_remediator()
     leases = fleet.bus.bucket(names.BUCKET_LEASES, Lease)
     await leases.put("gpu-a", Lease(gang="acme.train", epoch=1, placer="p", created_time=now()))
-    fleet.inject("gpu-a", "ecc-dbe")
+    fleet.inject("gpu-a", "row-remap-pending")
     await fleet.until(lambda: has_alerts(fleet, 1))
     fleet.clock.advance(seconds=61)
     waiting = await fleet.remediation_in("gpu-a", RemediationState.WAITING_IDLE)
@@ -204,7 +205,7 @@ async def test_repairing_a_member_restarts_its_gang_in_a_new_epoch(
     members = [m.node for m in first_job.status.gang.members]
     spare = ({"gpu-a", "gpu-b", "gpu-c"} - set(members)).pop()
     await fleet.start_remediator()
-    fleet.inject(members[0], "readonly-fs")
+    fleet.inject(members[0], "row-remap-pending")  # the workload keeps running (not R17)
 
     async def alerted() -> bool:
         return bool(await fleet.alerts())

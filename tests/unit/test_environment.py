@@ -304,6 +304,21 @@ def test_ranks_are_distinct_and_share_one_master() -> None:
     assert {env["NODUS_EPOCH"] for env in envs} == {str(EPOCH)}
 
 
+def test_a_restarted_gang_knows_it_and_finds_its_checkpoints_in_every_epoch() -> None:
+    """R17: ranks resume: how many epochs ran before, and one checkpoint directory per job."""
+    the_job, plan, records = planned(PathClass.DIRECT, 2)
+    first = rank_environments(the_job, plan, records, 1, PORT, SHIM, "/shared/ckpt/")
+    assert {e["NODUS_RESTART_COUNT"] for e in first} == {"0"}
+    the_job.status.runs = 2
+    later = rank_environments(the_job, plan, records, 4, PORT, SHIM, "/shared/ckpt")
+    assert {e["NODUS_RESTART_COUNT"] for e in later} == {"2"}
+    assert {e["TORCHELASTIC_RESTART_COUNT"] for e in later} == {"2"}
+    org, name = the_job.metadata.org, the_job.metadata.name
+    dirs = {e["NODUS_CHECKPOINT_DIR"] for e in first + later}
+    assert len(dirs) == 1 and dirs.pop().startswith(f"/shared/ckpt/{org}/{name}")
+    assert "NODUS_CHECKPOINT_DIR" not in rank_environments(the_job, plan, records, 4, PORT, SHIM)[0]
+
+
 @pytest.mark.parametrize("image_preload", ["", "/usr/lib/libjemalloc.so.2"])
 def test_relayed_env_is_what_netshim_preload_env_renders(image_preload: str) -> None:
     """One rendering of the shim's variables: the placer's rank env is the rank's env without
