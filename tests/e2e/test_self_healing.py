@@ -1,0 +1,129 @@
+"""Issue 13 as an operator tries it (R17): `nodus up` with three H100 VMs on one VPC, the
+policy automatic for reboots and power cycles, a 2-member Private gang running the example
+all-reduce with checkpoints, then `nodus fault inject MEMBER xid --xid 79` (a GPU that fell
+off the bus). The gang runs again in a new epoch on the healthy machines, resumes from its
+checkpoint and Succeeds verified; the old epoch was fenced first; the machine is power-cycled,
+revalidated and back; `nodus describe job` and `nodus describe remediation` say all of it.
+The seconds from the fault to Running again are printed, not judged."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from libs.bus.server import free_port
+from tests.e2e.daemon_logs import DaemonLogs
+from tests.e2e.test_remediation_cli import NODUS, REPO, nodus, until
+
+pytestmark = pytest.mark.slow
+
+FLEET = """
+machines:
+""" + "".join(
+    f"""  - {{name: h-{n}, provider: aws, region: us-east-1, regionClass: us, offering: vm,
+     address: 127.0.4.{i}, privateNetwork: use1-vpc, privateAddress: 127.0.5.{i},
+     privateInterface: lo, pool: pool-{n}, cluster: c1,
+     accelerators: {{count: 8, backend: cuda, model: H100}}}}
+"""
+    for i, n in enumerate("abc", start=1)
+)
+
+JOB = """
+apiVersion: nodus/v1
+kind: Job
+metadata: {name: heal, org: acme}
+spec:
+  command: [python3, examples/workloads/allreduce.py]
+  env: {ALLREDUCE_MIB: "1", ALLREDUCE_ITERS: "24", ALLREDUCE_STEP_SECONDS: "1"}
+  accelerators: {count: 8, backend: cuda, model: H100}
+  distributed: {members: 2, network: Colocated, transport: Direct}
+"""
+
+
+@pytest.fixture(scope="module")
+def system(
+    tmp_path_factory: pytest.TempPathFactory, daemon_logs: DaemonLogs
+) -> Iterator[tuple[str, Path]]:
+    state = tmp_path_factory.mktemp("state")
+    daemon_logs.watch(state / "logs")
+    fleet = state / "fleet.yaml"
+    fleet.write_text(FLEET)
+    up = subprocess.Popen(
+        [NODUS, "up", "--nats-port", str(free_port()), "--state-dir", str(state),
+         "--fleet", str(fleet)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert up.stdout is not None
+    line = up.stdout.readline()
+    if not line.startswith("NODUS_NATS_URL="):
+        up.kill()
+        pytest.fail(f"nodus up did not become ready: {line!r}")
+    yield line.strip().split("=", 1)[1], state
+    up.send_signal(signal.SIGINT)
+    up.wait(timeout=30)
+
+
+def _job(url: str, state: Path) -> dict[str, Any]:
+    found: dict[str, Any] = json.loads(
+        nodus(url, state, "get", "job", "heal", "--org", "acme", "-o", "json").stdout
+    )
+    return found
+
+
+def test_a_gpu_off_the_bus_puts_the_gang_back_to_work_on_healthy_machines(
+    system: tuple[str, Path],
+) -> None:
+    url, state = system
+    nodus(url, state, "policy", "set", "--mode", "automatic", "--trust", "reboot,power-cycle")
+    spec = state / "heal.yaml"
+    spec.write_text(JOB)
+    nodus(url, state, "apply", "-f", str(spec))
+
+    def running(epoch: int) -> dict[str, Any] | None:
+        job = _job(url, state)
+        status = job["status"]
+        return job if status["phase"] == "Running" and status["epoch"] == epoch else None
+
+    first = until(lambda: running(1), timeout=90)
+    members = [m["node"] for m in first["status"]["gang"]["members"]]
+    assert first["status"]["gang"]["transport"] == "private"
+    time.sleep(4)  # a few steps done, and checkpointed
+    victim = members[1]
+    fault_time = time.monotonic()
+    nodus(url, state, "fault", "inject", victim, "xid", "--xid", "79")
+    second = until(lambda: running(2), timeout=120)
+    back_to_work = time.monotonic() - fault_time
+    print(f"\nXid 79 to Running again in epoch 2: {back_to_work:.1f} s")
+    assert victim not in {m["node"] for m in second["status"]["gang"]["members"]}
+    assert victim in second["status"]["avoid"]
+
+    def ended() -> dict[str, Any] | None:
+        job = _job(url, state)
+        return job if job["status"]["phase"] in ("Succeeded", "Failed") else None
+
+    final = until(ended, timeout=120)
+    logs = [nodus(url, state, "logs", "heal", "--org", "acme", "--rank", str(r)).stdout
+            for r in range(2)]  # fmt: skip
+    assert final["status"]["phase"] == "Succeeded", (final["status"]["conditions"], logs)
+    reports = [json.loads(text.strip().splitlines()[-1]) for text in logs]
+    assert all(r["verified"] and r["restartCount"] == 1 for r in reports), reports
+    assert all(r["resumedAtStep"] > 0 for r in reports), reports  # it resumed, not restarted
+    described = nodus(url, state, "describe", "job", "heal", "--org", "acme").stdout
+    assert "FaultBrokeMember" in described and "R17" in described
+    assert "Xid 79" in described
+
+    def repaired() -> list[dict[str, Any]]:
+        rems = json.loads(nodus(url, state, "get", "remediations", "-o", "json").stdout)
+        return [r for r in rems if r["node"] == victim and r["state"] == "Done"]
+
+    [rem] = until(repaired, timeout=120)
+    assert rem["action"] == "PowerCycle" and rem["breaksWorkload"]
+    audit = nodus(url, state, "describe", "remediation", rem["id"]).stdout
+    assert "R17" in audit and "Revalidating" in audit
