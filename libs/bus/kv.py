@@ -29,6 +29,7 @@ MALFORMED_RECORDS = Counter(
     ["bucket"],
 )
 
+DIRECT_GET_RETRIES = (0.05, 0.1, 0.2, 0.5, 1.0, None)
 KV_DEL = "DEL"
 KV_PURGE = "PURGE"
 
@@ -99,12 +100,24 @@ class Bucket(Generic[T]):
 
     async def get(self, key: str) -> Versioned[T] | None:
         try:
-            entry = await self._kv.get(key)
+            entry = await self._direct_get(key)
         except KeyNotFoundError:
             return None
         if entry.value is None or entry.operation in (KV_DEL, KV_PURGE):
             return None
         return Versioned(key, self._decode(key, entry.value), entry.revision or 0)
+
+    async def _direct_get(self, key: str) -> Any:
+        """A direct read is answered by any replica; on a clustered bus one that was just
+        created or elected may not answer for a moment: try again briefly."""
+        for pause in DIRECT_GET_RETRIES:
+            try:
+                return await self._kv.get(key)
+            except nats.errors.NoRespondersError:
+                if pause is None:
+                    raise
+                await asyncio.sleep(pause)
+        raise AssertionError("unreachable")
 
     async def put(self, key: str, value: T) -> int:
         return int(await self._kv.put(key, encode(value)))

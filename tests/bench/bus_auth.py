@@ -12,7 +12,6 @@ value (a named consumer), and request/reply to the agent's node subject.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,7 +24,14 @@ from libs.bus.server import NatsServer
 from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.fleet import NodeHealth
-from tests.bench.running import add_run_flags, bench_parser, machine_facts, progress, run_bench
+from tests.bench.running import (
+    add_run_flags,
+    bench_main,
+    bench_parser,
+    machine_facts,
+    progress,
+    run_bench,
+)
 
 log = progress("bus_auth")
 NODE = "bench-node"
@@ -137,9 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    result = run(parse_args(argv))
-    print(json.dumps(result, indent=2))
-    return 1 if "error" in result else 0
+    return bench_main(run, parse_args(argv), lambda: None)
 
 
 if __name__ == "__main__":
