@@ -24,6 +24,7 @@ import libs
 from app.netlab import CONTROL_ADDRESS, NetLab, in_namespace, plan
 from libs.bus import Bus
 from libs.bus.auth import AGENT, RELAY, SERVICE
+from libs.bus.connection import CREDENTIAL_VARIABLES
 from libs.bus.server import NatsServer, free_port
 from libs.contracts import names
 from libs.contracts.errors import ErrorCode, NodusError
@@ -42,9 +43,6 @@ class Child:
     process: subprocess.Popen[bytes]
     log: Path
     args: list[str] = field(default_factory=list)  # after `python -m app`
-
-
-CREDENTIAL_VARIABLES = ("NODUS_CREDENTIALS", "NODUS_NATS_CREDS")
 
 
 @dataclass

@@ -11,6 +11,7 @@ import pytest
 
 from libs.bus import Bus
 from libs.bus.auth import OPERATOR, new_identity
+from libs.bus.connection import CREDENTIAL_VARIABLES
 from libs.bus.credentials import write_secret
 from libs.bus.server import NatsServer
 from libs.contracts import names
@@ -25,7 +26,7 @@ def operator_credentials(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
     whose seed every bus a test starts admits; the processes the lab starts get their own."""
     seed = tmp_path_factory.mktemp("operator") / "operator.nk"
     write_secret(seed, new_identity("operator", OPERATOR).seed + "\n")
-    saved = {k: os.environ.pop(k, None) for k in ("NODUS_CREDENTIALS", "NODUS_NATS_CREDS")}
+    saved = {k: os.environ.pop(k, None) for k in CREDENTIAL_VARIABLES}
     os.environ["NODUS_CREDENTIALS"] = str(seed)
     yield str(seed)
     os.environ.pop("NODUS_CREDENTIALS", None)

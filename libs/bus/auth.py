@@ -42,10 +42,11 @@ class Identity:
     public_key: str  # U...: what the server knows
     node: str | None = None  # an agent's node; a relay's name
 
-    @property
-    def inbox_prefix(self) -> str:
-        """Replies to an agent come to its own inbox: it may not subscribe to `_INBOX.>`."""
-        return f"_INBOX.{self.node}" if self.role == AGENT and self.node else "_INBOX"
+
+def agent_inbox(node: str) -> str:
+    """The inbox prefix an agent connects with: replies come to its own inbox, since it may
+    not subscribe to `_INBOX.>` (where every other client's replies are)."""
+    return f"_INBOX.{node}"
 
 
 def new_identity(name: str, role: str, node: str | None = None) -> Identity:
@@ -120,10 +121,14 @@ def agent_keys(node: str) -> list[Keys]:
     ]
 
 
+# What an agent opens at start: the buckets its bus user may use.
+AGENT_BUCKETS = [keys.bucket for keys in agent_keys("node")]
+
+
 def agent_permissions(node: str) -> dict[str, Any]:
     publish = [s for keys in agent_keys(node) for s in keys.subjects()]
     subscribe = [
-        f"_INBOX.{node}.>",
+        f"{agent_inbox(node)}.>",
         f"nodus.node.{node}.req.>",  # the requests addressed to this node
         # NATS micro discovery ($SRV.PING, $SRV.INFO.nodus-agent, ...), answered as a reply
         "$SRV.*",

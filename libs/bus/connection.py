@@ -24,10 +24,14 @@ def default_url() -> str:
     return os.environ.get("NODUS_NATS_URL", DEFAULT_URL)
 
 
+# Where a process finds its own bus credentials: the first set wins (the second is the old name).
+CREDENTIAL_VARIABLES = ("NODUS_CREDENTIALS", "NODUS_NATS_CREDS")
+
+
 def default_credentials() -> str | None:
     """The process's own bus credentials (S1): an NKey seed file (`nats.nk`) or a NATS
     credentials file (`.creds`)."""
-    return os.environ.get("NODUS_CREDENTIALS") or os.environ.get("NODUS_NATS_CREDS") or None
+    return next((os.environ[v] for v in CREDENTIAL_VARIABLES if os.environ.get(v)), None)
 
 
 def credential_options(path: str) -> dict[str, Any]:

@@ -39,27 +39,30 @@ class BusUsers:
         identity = new_identity(name, role, node)
         path = seed_file or self.directory / f"{name}.nk"
         write_secret(path, identity.seed + "\n")
-        users[name] = {
-            "role": role,
-            "node": node,
-            "public_key": identity.public_key,
-            "seed_file": str(path),
-        }
-        self._save(users)
+        self._register(users, name, role, node, identity.public_key, path)
         return path
 
     def adopt(self, name: str, role: str, seed_file: Path, node: str | None = None) -> Path:
         """A user whose seed already exists elsewhere (the operator's own, say)."""
-        public = check_seed_file(seed_file)
-        users = self._load()
+        self._register(self._load(), name, role, node, check_seed_file(seed_file), seed_file)
+        return seed_file
+
+    def _register(
+        self,
+        users: dict[str, dict[str, Any]],
+        name: str,
+        role: str,
+        node: str | None,
+        public_key: str,
+        seed_file: Path,
+    ) -> None:
         users[name] = {
             "role": role,
             "node": node,
-            "public_key": public,
+            "public_key": public_key,
             "seed_file": str(seed_file),
         }
         self._save(users)
-        return seed_file
 
     def identities(self) -> list[Identity]:
         out = []

@@ -29,7 +29,7 @@ MALFORMED_RECORDS = Counter(
     ["bucket"],
 )
 
-DIRECT_GET_RETRIES = (0.05, 0.1, 0.2, 0.5, 1.0, None)
+DIRECT_GET_PAUSES = (0.05, 0.1, 0.2, 0.5, 1.0)  # before each retry of a direct read
 KV_DEL = "DEL"
 KV_PURGE = "PURGE"
 
@@ -63,8 +63,11 @@ class _NamedConsumers:
         return subscription
 
 
+_NAMES = NUID()
+
+
 def _consumer_name() -> str:
-    return NUID().next().decode()
+    return _NAMES.next().decode()
 
 
 def named_watches(kv: KeyValue) -> KeyValue:
@@ -110,14 +113,12 @@ class Bucket(Generic[T]):
     async def _direct_get(self, key: str) -> Any:
         """A direct read is answered by any replica; on a clustered bus one that was just
         created or elected may not answer for a moment: try again briefly."""
-        for pause in DIRECT_GET_RETRIES:
+        for pause in DIRECT_GET_PAUSES:
             try:
                 return await self._kv.get(key)
             except nats.errors.NoRespondersError:
-                if pause is None:
-                    raise
                 await asyncio.sleep(pause)
-        raise AssertionError("unreachable")
+        return await self._kv.get(key)
 
     async def put(self, key: str, value: T) -> int:
         return int(await self._kv.put(key, encode(value)))

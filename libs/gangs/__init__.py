@@ -13,7 +13,6 @@ import msgspec
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
-from libs.contracts.epochs import Lease
 from libs.contracts.jobs import ConditionType, Job, JobEvent, Phase, with_condition
 
 log = logging.getLogger("nodus.gangs")
@@ -22,14 +21,16 @@ NODE_REPAIR = "NodeRepair"  # R16: a repair interrupts the gang
 FAULT_BROKE_MEMBER = "FaultBrokeMember"  # R17: a fault took away what a member runs on
 
 
-async def restart_gang(bus: Bus, node: str, lease: Lease, reason: str, message: str) -> bool:
-    """The gang holding `lease` goes back to placement without `node`, if that epoch is
-    still its current one and active; True if this call did it."""
+async def restart_gang(
+    bus: Bus, node: str, gang: str, epoch: int, reason: str, message: str
+) -> bool:
+    """`gang` goes back to placement without `node`, if `epoch` is still its current one
+    and active; True if this call did it."""
     jobs = bus.bucket(names.BUCKET_JOBS, Job)
     t = now()
 
     def replace(job: Job | None, t: datetime = t) -> Job | None:
-        if job is None or job.status.epoch != lease.epoch:
+        if job is None or job.status.epoch != epoch:
             return None
         if job.status.phase not in RUNNING_PHASES:
             return None
@@ -38,15 +39,15 @@ async def restart_gang(bus: Bus, node: str, lease: Lease, reason: str, message: 
         return msgspec.structs.replace(job, status=status)
 
     try:
-        if await jobs.mutate(lease.gang, replace) is None:
+        if await jobs.mutate(gang, replace) is None:
             return False
     except Exception as error:  # the job moved on; the placer's member checks remain
-        log.warning("could not restart %s for %s: %s", lease.gang, node, error)
+        log.warning("could not restart %s for %s: %s", gang, node, error)
         return False
-    log.warning("%s: %s", lease.gang, message)
-    event = JobEvent(gang=lease.gang, kind=reason, epoch=lease.epoch, message=message, time=t)
+    log.warning("%s: %s", gang, message)
+    event = JobEvent(gang=gang, kind=reason, epoch=epoch, message=message, time=t)
     try:
-        await bus.publish(names.job_event(lease.gang, reason.lower()), event)
+        await bus.publish(names.job_event(gang, reason.lower()), event)
     except Exception as error:  # the job record is the truth; the event is its audit
-        log.warning("event %s for %s not published: %s", reason, lease.gang, error)
+        log.warning("event %s for %s not published: %s", reason, gang, error)
     return True

@@ -18,7 +18,7 @@ from libs.contracts import names
 from libs.contracts.api import NodeInfoReply, NodeInfoRequest
 from libs.contracts.base import now
 from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS, HEARTBEATS_PER_TIMEOUT
-from libs.contracts.epochs import Epoch, JoinKeyGrant, JoinRedemption
+from libs.contracts.epochs import Epoch, EpochMember, JoinKeyGrant, JoinRedemption
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Machine, NodeHealth, NodeRecord
 from libs.contracts.jobs import PathClass
@@ -199,7 +199,7 @@ class Agent:
                 if left is not None:  # the epoch is fenced or deleted: its ranks stop (G9)
                     await self.gangs.stop_epoch(left.gang, left.epoch)
                     await self._forget_introductions(left.gang, left.epoch)
-                    self._fence(left.gang, left.epoch)
+                    self.epoch_records.pop((left.gang, left.epoch), None)
                 gone: list[RelayedMember | DirectMember | PrivateMember | None] = [
                     self.relayed.pop(change.key, None),
                     self.direct.pop(change.key, None),
@@ -256,18 +256,34 @@ class Agent:
                     log.info("%s epoch %d: its introductions stay: %s", gang, epoch, error)
                     return
 
-    def _fence(self, gang: str, epoch: int) -> None:
-        """Its key is gone: the epoch is fenced, and requests naming it are refused as stale
-        until a newer epoch of the gang replaces it here."""
-        record = self.epoch_records.get((gang, epoch))
-        if record is not None:
-            self.epoch_records[(gang, epoch)] = msgspec.structs.replace(record, fenced=True)
+    async def _register_member(self, epoch: Epoch, member: EpochMember) -> bytes:
+        """A fresh WireGuard key per epoch, bound to this node once (relays admit only it,
+        S2), recorded and introduced to the peers; the private half."""
+        private = generate_private_key()
+        record = Member(
+            gang=epoch.gang,
+            epoch=epoch.epoch,
+            node=self.node,
+            rank=member.rank,
+            address=member.address,
+            wg_public_key=key_to_base64(public_key(private)),
+            joined_time=now(),
+        )
+        key = names.member_key(epoch.gang, epoch.epoch, self.node)
+        if await self.members.create(key, record) is None:
+            raise NodusError(
+                ErrorCode.CONFLICT,
+                f"{self.node} already holds a key in {epoch.gang} epoch {epoch.epoch}",
+            )
+        await self._introduce(epoch, record)
+        return private
 
     def _joined_epoch(self, gang: str, epoch: int) -> Epoch:
-        """An epoch this node joined, as its key brought it; refused if fenced or replaced."""
+        """An epoch this node holds a key of, as the key brought it. One it left (its key was
+        deleted: fenced) or that a newer one replaced is stale (the guard remembers)."""
         record = self.epoch_records.get((gang, epoch))
         current = self.guard.current(gang)
-        if (record is not None and record.fenced) or (current is not None and epoch < current):
+        if current is not None and (epoch < current or (record is None and epoch == current)):
             raise NodusError(ErrorCode.STALE_EPOCH, f"{gang} epoch {epoch} is fenced")
         if record is None:
             raise NodusError(
@@ -368,33 +384,12 @@ class Agent:
                 f"join key for {claims.gang} epoch {claims.epoch} was already used",
             )
         # The probe and the launch ask for it as soon as the member record below is seen.
-        for gang, number in list(self.epoch_records):
-            if gang == claims.gang and number < claims.epoch:
-                del self.epoch_records[(gang, number)]
         self.epoch_records[(claims.gang, claims.epoch)] = epoch
-        # A fresh WireGuard key per epoch, bound to this node once: relays admit only it (S2).
-        private = generate_private_key()
-        record = Member(
-            gang=claims.gang,
-            epoch=claims.epoch,
-            node=self.node,
-            rank=member.rank,
-            address=member.address,
-            wg_public_key=key_to_base64(public_key(private)),
-            joined_time=t,
-        )
-        if (
-            await self.members.create(
-                names.member_key(claims.gang, claims.epoch, self.node), record
-            )
-            is None
-        ):
+        try:
+            private = await self._register_member(epoch, member)
+        except BaseException:
             self.epoch_records.pop((claims.gang, claims.epoch), None)
-            raise NodusError(
-                ErrorCode.CONFLICT,
-                f"{self.node} already holds a key in {claims.gang} epoch {claims.epoch}",
-            )
-        await self._introduce(epoch, record)
+            raise
         self._wg_keys[f"{claims.gang}.{claims.epoch}"] = private
         self.guard.advance(claims.gang, claims.epoch)
         return JoinedEpoch(

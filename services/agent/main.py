@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from libs.bus import Bus
-from libs.bus.auth import agent_keys
+from libs.bus.auth import AGENT_BUCKETS, agent_inbox
 from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS, HEARTBEATS_PER_TIMEOUT
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Machine, load_fleet
@@ -112,10 +112,6 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# What an agent opens: the buckets its bus user may use (libs.bus.auth.agent_keys).
-AGENT_BUCKETS = [keys.bucket for keys in agent_keys("-")]
-
-
 async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
     machine = _machine(args)
     if args.state_dir:
@@ -125,7 +121,7 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         name=f"nodus-agent-{args.node}",
         credentials=args.credentials,
         buckets=AGENT_BUCKETS,
-        inbox_prefix=f"_INBOX.{args.node}",  # the only inbox its bus user may read (S1)
+        inbox_prefix=agent_inbox(args.node),  # the only inbox its bus user may read (S1)
     )
     agent = Agent(
         bus,

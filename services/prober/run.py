@@ -13,13 +13,14 @@ from datetime import datetime
 from typing import Literal
 
 import msgspec
+from nats.errors import Error as NatsError
 from prometheus_client import Counter
 
 from libs.bus import Bus
 from libs.bus.kv import Bucket
 from libs.contracts import names
 from libs.contracts.base import now
-from libs.contracts.epochs import Epoch, Lease
+from libs.contracts.epochs import Epoch
 from libs.contracts.errors import NodusError
 from libs.contracts.jobs import (
     Billing,
@@ -235,8 +236,13 @@ class GangRun:
         ended = rank.ended_time or now()
         deadline = asyncio.get_running_loop().time() + PLATFORM_GRACE_SECONDS
         while True:
-            alerts = await self.alerts.snapshot(f"{rank.node}.>")
-            repairs = await self.remediations.snapshot(f"{rank.node}.>")
+            try:
+                alerts = await self.alerts.snapshot(f"{rank.node}.>")
+                repairs = await self.remediations.snapshot(f"{rank.node}.>")
+            except (NodusError, NatsError, OSError, TimeoutError) as error:
+                # What the remediator saw is unknown: the rank's exit decides, as before R17.
+                log.warning("%s: %s's faults not read: %s", gang, rank.node, error)
+                return False
             cause = platform_cause(
                 rank.node,
                 ended,
@@ -252,8 +258,7 @@ class GangRun:
             f"rank {rank.rank} on {rank.node} exited with code {rank.exit_code} because of the "
             f"platform: {cause}; epoch {epoch} ends and the gang is placed again without it"
         )
-        lease = Lease(gang=gang, epoch=epoch, placer="prober")
-        return await restart_gang(self.bus, rank.node, lease, FAULT_BROKE_MEMBER, message)
+        return await restart_gang(self.bus, rank.node, gang, epoch, FAULT_BROKE_MEMBER, message)
 
     async def _finish(
         self, gang: str, epoch: int, succeeded: bool, reason: str, message: str, t: datetime

@@ -79,7 +79,10 @@ class Alerting:
             f"{alert.node}: {breaks_workload_rule(alert.summary)}; epoch {held.value.epoch} "
             f"ends (alert {alert.id})"
         )
-        if await restart_gang(self.store.bus, alert.node, held.value, FAULT_BROKE_MEMBER, message):
+        lease = held.value
+        if await restart_gang(
+            self.store.bus, alert.node, lease.gang, lease.epoch, FAULT_BROKE_MEMBER, message
+        ):
             metrics.MEMBERS_LOST.inc()
 
     async def recommend(self, node: str, now: datetime) -> None:

@@ -20,11 +20,11 @@ from libs.contracts.remediation import (
     Remediation,
     RemediationState,
 )
+from libs.gangs import FAULT_BROKE_MEMBER, NODE_REPAIR, restart_gang
 from services.remediator import alerts as alert_rules
 from services.remediator import guardrails, ladder, lifecycle, metrics, policy
 from services.remediator.breakers import Breakers
 from services.remediator.cordons import Cordons
-from services.remediator.gangs import restart_gangs
 from services.remediator.provider import MachineProvider
 from services.remediator.slots import Slots
 from services.remediator.store import Store
@@ -145,8 +145,14 @@ class Repairs:
         written = await self.store.write(current, started)
         if written is None:
             return
-        if idle.interrupt and held is not None:
-            await restart_gangs(self.store.bus, rem.node, [held.value], rem.id)
+        if idle.interrupt and held is not None:  # R16 after the max wait; R17 at once
+            lease = held.value
+            reason = FAULT_BROKE_MEMBER if rem.breaks_workload else NODE_REPAIR
+            message = (
+                f"{rem.node} is being repaired (remediation {rem.id}); epoch {lease.epoch} "
+                "ends and the gang is placed again without it"
+            )
+            await restart_gang(self.store.bus, rem.node, lease.gang, lease.epoch, reason, message)
         await self._run(written, now)
 
     async def _admitted(self, current: Versioned[Remediation], now: datetime) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from libs.bus import Bus
-from libs.bus.auth import AGENT
+from libs.bus.auth import AGENT, agent_inbox
 from libs.bus.server import NatsServer
 from libs.contracts import names
 from libs.contracts.base import now
@@ -57,7 +57,7 @@ async def _round(
         name="bench-agent",
         credentials=seed,
         buckets=[names.BUCKET_HEALTH],
-        inbox_prefix=f"_INBOX.{NODE}" if seed else None,
+        inbox_prefix=agent_inbox(NODE) if seed else None,
     )
     connect_ms = (time.perf_counter() - t0) * 1000
     try:

@@ -5,6 +5,7 @@ alerts|recommendations|remediations`, `nodus approve`, `nodus describe remediati
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -61,30 +62,17 @@ def until(check: Callable[[], Any], timeout: float = 60.0) -> Any:
     raise AssertionError(f"{check.__name__} did not hold within {timeout}s")
 
 
-@pytest.fixture(scope="module")
-def system(
-    tmp_path_factory: pytest.TempPathFactory, daemon_logs: DaemonLogs
-) -> Iterator[tuple[str, Path]]:
-    state = tmp_path_factory.mktemp("state")
-    daemon_logs.watch(state / "logs")
+@contextlib.contextmanager
+def nodus_up(state: Path, fleet_text: str) -> Iterator[str]:
+    """`nodus up` on a fleet of its own in the background, as an operator runs it; its URL
+    once every agent registered; stopped with Ctrl-C afterwards."""
     fleet = state / "fleet.yaml"
-    fleet.write_text(FLEET)
+    fleet.write_text(fleet_text)
     up = subprocess.Popen(
-        [
-            NODUS,
-            "up",
-            "--nats-port",
-            str(free_port()),
-            "--state-dir",
-            str(state),
-            "--fleet",
-            str(fleet),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
+        [NODUS, "up", "--nats-port", str(free_port()), "--state-dir", str(state),
+         "--fleet", str(fleet)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
     assert up.stdout is not None
     line = up.stdout.readline()
     if not line.startswith("NODUS_NATS_URL="):
@@ -92,9 +80,21 @@ def system(
         pytest.fail(
             f"nodus up did not become ready: {line!r} {up.stderr.read() if up.stderr else ''}"
         )
-    yield line.strip().split("=", 1)[1], state
-    up.send_signal(signal.SIGINT)
-    up.wait(timeout=30)
+    try:
+        yield line.strip().split("=", 1)[1]
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def system(
+    tmp_path_factory: pytest.TempPathFactory, daemon_logs: DaemonLogs
+) -> Iterator[tuple[str, Path]]:
+    state = tmp_path_factory.mktemp("state")
+    daemon_logs.watch(state / "logs")
+    with nodus_up(state, FLEET) as url:
+        yield url, state
 
 
 def test_a_fault_is_detected_approved_repaired_and_audited(system: tuple[str, Path]) -> None:

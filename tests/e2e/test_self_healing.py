@@ -9,8 +9,6 @@ The seconds from the fault to Running again are printed, not judged."""
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +16,8 @@ from typing import Any
 
 import pytest
 
-from libs.bus.server import free_port
 from tests.e2e.daemon_logs import DaemonLogs
-from tests.e2e.test_remediation_cli import NODUS, REPO, nodus, until
+from tests.e2e.test_remediation_cli import nodus, nodus_up, until
 
 pytestmark = pytest.mark.slow
 
@@ -53,21 +50,8 @@ def system(
 ) -> Iterator[tuple[str, Path]]:
     state = tmp_path_factory.mktemp("state")
     daemon_logs.watch(state / "logs")
-    fleet = state / "fleet.yaml"
-    fleet.write_text(FLEET)
-    up = subprocess.Popen(
-        [NODUS, "up", "--nats-port", str(free_port()), "--state-dir", str(state),
-         "--fleet", str(fleet)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-    )  # fmt: skip
-    assert up.stdout is not None
-    line = up.stdout.readline()
-    if not line.startswith("NODUS_NATS_URL="):
-        up.kill()
-        pytest.fail(f"nodus up did not become ready: {line!r}")
-    yield line.strip().split("=", 1)[1], state
-    up.send_signal(signal.SIGINT)
-    up.wait(timeout=30)
+    with nodus_up(state, FLEET) as url:
+        yield url, state
 
 
 def _job(url: str, state: Path) -> dict[str, Any]:

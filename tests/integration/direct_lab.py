@@ -45,14 +45,14 @@ from libs.contracts.epochs import Epoch
 from libs.contracts.relay import Member
 from libs.wg import generate_private_key, key_to_base64, public_key
 from services.agent.direct import DirectMember
-from services.agent.main import AGENT_BUCKETS
+from libs.bus.auth import AGENT_BUCKETS, agent_inbox
 
 async def main(url, credentials, epoch_json, node, underlay):
     epoch = msgspec.json.decode(epoch_json, type=Epoch)
     me = next(m for m in epoch.members if m.node == node)
     # As the agent does: its own bus user, confined to its node (S1).
     bus = await Bus.open(url, name=node, credentials=credentials, buckets=AGENT_BUCKETS,
-                         inbox_prefix=f"_INBOX.{node}")
+                         inbox_prefix=agent_inbox(node))
     private = generate_private_key()
     record = Member(gang=epoch.gang, epoch=epoch.epoch, node=node, rank=me.rank,
                     address=me.address, wg_public_key=key_to_base64(public_key(private)),

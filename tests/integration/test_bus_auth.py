@@ -16,7 +16,7 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from libs.bus import Bus
-from libs.bus.auth import AGENT, RELAY
+from libs.bus.auth import AGENT, AGENT_BUCKETS, RELAY, agent_inbox
 from libs.bus.connection import connect, credential_options
 from libs.bus.server import NatsServer
 from libs.contracts import names
@@ -25,7 +25,6 @@ from libs.contracts.epochs import JoinKeyGrant
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeHealth
 from libs.contracts.relay import Member
-from services.agent.main import AGENT_BUCKETS
 
 REFUSAL_WAIT = 1.0  # a refused request gets no answer; the server says why at once
 
@@ -68,7 +67,7 @@ async def agent_a(nats_server: NatsServer, bus: Bus) -> AsyncIterator[Confined]:
     await grants.put("node-a.acme.train.1", JoinKeyGrant(token="for-a", verify_key="v"))
     await grants.put("node-b.globex.rl.3", JoinKeyGrant(token="secret-of-b", verify_key="v"))
     confined = await _connect(
-        nats_server, nats_server.user("agent-node-a", AGENT, "node-a"), "_INBOX.node-a"
+        nats_server, nats_server.user("agent-node-a", AGENT, "node-a"), agent_inbox("node-a")
     )
     yield confined
     await confined.nc.close()
@@ -104,7 +103,7 @@ async def test_an_agent_does_its_own_nodes_work(nats_server: NatsServer, bus: Bu
     )
     await peers.put(names.peer_key("acme.train", 1, "node-a", "node-b"), record)
     agent = await Bus.open(
-        nats_server.url, credentials=seed, buckets=AGENT_BUCKETS, inbox_prefix="_INBOX.node-a"
+        nats_server.url, credentials=seed, buckets=AGENT_BUCKETS, inbox_prefix=agent_inbox("node-a")
     )
     try:
         health = agent.bucket(names.BUCKET_HEALTH, NodeHealth)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from libs.bus import Bus
+from libs.bus.auth import agent_inbox
 from libs.bus.server import free_port, nats_server_binary
 from libs.contracts import names
 from libs.contracts.base import now
@@ -74,7 +75,10 @@ async def test_the_written_cluster_serves_a_replicated_confined_bus(
         assert info.config.num_replicas == 3
         assert info.cluster is not None and len(info.cluster.replicas or []) == 2
         agent = await _open(
-            urls[2], users / "agent-m1.nk", buckets=[names.BUCKET_HEALTH], inbox_prefix="_INBOX.m1"
+            urls[2],
+            users / "agent-m1.nk",
+            buckets=[names.BUCKET_HEALTH],
+            inbox_prefix=agent_inbox("m1"),
         )
         try:
             health = agent.bucket(names.BUCKET_HEALTH, NodeHealth)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import msgspec
+
 from libs.contracts.remediation import (
     Action,
     Alert,
@@ -70,6 +72,5 @@ def test_a_repair_taking_the_machine_explains_it() -> None:
         started_time=T - timedelta(seconds=2),
     )
     assert "gpu-a.1" in (platform_cause("gpu-a", T, [], [repair]) or "")
-    waiting = Remediation(**{**{f: getattr(repair, f) for f in repair.__struct_fields__},
-                             "state": RemediationState.WAITING_IDLE})  # fmt: skip
+    waiting = msgspec.structs.replace(repair, state=RemediationState.WAITING_IDLE)
     assert platform_cause("gpu-a", T, [], [waiting]) is None
