@@ -23,7 +23,7 @@ import yaml
 import libs
 from app.netlab import CONTROL_ADDRESS, NetLab, in_namespace, plan
 from libs.bus import Bus
-from libs.bus.auth import AGENT, RELAY, SERVICE
+from libs.bus.auth import AGENT, DETECTOR, RELAY, SERVICE
 from libs.bus.connection import CREDENTIAL_VARIABLES
 from libs.bus.server import NatsServer, free_port
 from libs.contracts import names
@@ -66,6 +66,9 @@ class LocalSystem:
     prometheus_port: int = 0
     metrics_ports: dict[str, int] = field(default_factory=dict)
     netns: bool = False
+    # External detectors (R8), each a bus user that may only ask repairs and label nodes as
+    # itself; seeds at STATE_DIR/detectors/NAME.nk.
+    detectors: list[str] = field(default_factory=list)
     nats: NatsServer | None = None
     children: list[Child] = field(default_factory=list)
     fleet: Fleet | None = None
@@ -110,6 +113,12 @@ class LocalSystem:
         if name.startswith("relay-"):
             return self.nats.user(name, RELAY, name)
         return self.nats.user(name, SERVICE)
+
+    def detector_credentials(self, detector: str) -> str:
+        """An external detector's seed (R8): it asks repairs and labels nodes only as itself."""
+        assert self.nats is not None
+        seed = (self.state_dir / "detectors" / f"{detector}.nk").resolve()
+        return self.nats.user(f"detector-{detector}", DETECTOR, detector, seed_file=seed)
 
     def _spawn(self, name: str, args: list[str]) -> Child:
         if "--credentials" not in args:
@@ -296,6 +305,8 @@ class LocalSystem:
                 raise
         else:
             self.nats = NatsServer(self.state_dir / "nats", self.nats_port).start()
+        for detector in self.detectors:
+            self.detector_credentials(detector)
         # The placer creates the journal; agents wait for it rather than racing to create it.
         bus = await Bus.open(
             self.url,

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from app.cli.common import Command, group
-from libs.bus.auth import AGENT, RELAY, SERVICE
+from libs.bus.auth import AGENT, DETECTOR, RELAY, SERVICE
 from libs.bus.cluster import add_user, parse_server, write_cluster
 from libs.contracts.errors import NodusError
 
@@ -76,6 +76,9 @@ def _user_flags(parser: argparse.ArgumentParser) -> None:
     who.add_argument("--agent", metavar="NODE", help="the agent of a new machine")
     who.add_argument("--relay", metavar="NAME", help="a new relay")
     who.add_argument("--service", metavar="NAME", help="another service replica's user")
+    who.add_argument(
+        "--detector", metavar="NAME", help="an external detector: asks repairs as NAME (R8)"
+    )
 
 
 def _user(args: argparse.Namespace) -> int:
@@ -83,6 +86,8 @@ def _user(args: argparse.Namespace) -> int:
         name, role, node = f"agent-{args.agent}", AGENT, args.agent
     elif args.relay:
         name, role, node = f"relay-{args.relay}", RELAY, args.relay
+    elif args.detector:
+        name, role, node = f"detector-{args.detector}", DETECTOR, args.detector
     else:
         name, role, node = args.service, SERVICE, None
     try:
@@ -104,6 +109,8 @@ BUS = group(
     "bus_command",
     [
         Command("init", "a three-node NATS cluster: TLS, JetStream R3, users", _init_flags, _init),
-        Command("user", "add a machine's agent, a relay or a service", _user_flags, _user),
+        Command(
+            "user", "add a machine's agent, a relay, a detector or a service", _user_flags, _user
+        ),
     ],
 )

@@ -16,6 +16,7 @@ import argparse
 import os
 import re
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime
@@ -38,6 +39,7 @@ from app.cli.common import (
 )
 from app.output import table, to_yaml
 from libs.bus import Bus
+from libs.bus.auth import DETECTOR_INBOX, detector_of
 from libs.client.client import client_credentials
 from libs.contracts import names
 from libs.contracts.base import convert, now
@@ -52,6 +54,7 @@ from libs.contracts.remediation import (
     BreakerResetRequest,
     CancelRequest,
     Evidence,
+    PersonRepairRequest,
     Recommendation,
     Remediation,
     RemediationReply,
@@ -99,13 +102,16 @@ def repair_flags(parser: argparse.ArgumentParser) -> None:
 
 @asynccontextmanager
 async def open_bus(
-    args: argparse.Namespace, buckets: list[str] | None = BUCKETS
+    args: argparse.Namespace,
+    buckets: list[str] | None = BUCKETS,
+    inbox_prefix: str | None = None,
 ) -> AsyncIterator[Bus]:
     bus = await Bus.open(
         args.nats,
         name="nodus-client",
         credentials=args.credentials or client_credentials(),
         buckets=buckets,
+        inbox_prefix=inbox_prefix,
     )
     try:
         yield bus
@@ -269,9 +275,12 @@ async def _describe_alert(args: argparse.Namespace) -> int:
 
 
 def _remediation_lines(r: Remediation) -> list[str]:
+    via = {"label": ", by node label", "api": ", through the API"}.get(r.requester.via, "")
     requester = r.requester.name + (
-        f" (detector {r.requester.detector}, request {r.requester.request_id})"
+        f" (detector {r.requester.detector}, request {r.requester.request_id}{via})"
         if r.requester.kind == "external"
+        else " (a person)"
+        if r.requester.kind == "human"
         else ""
     )
     approver = f"{r.approver.kind} {r.approver.name}: {r.approver.rule}" if r.approver else "-"
@@ -422,20 +431,29 @@ async def _breaker_reset(args: argparse.Namespace) -> int:
 
 
 def _repair_request_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--detector", required=True)
-    parser.add_argument("--request-id", required=True)
     parser.add_argument("--node", required=True)
     parser.add_argument("--action", type=parse_action, required=True)
+    parser.add_argument(
+        "--detector",
+        help="ask as this external detector (R8); a detector's own credentials name it. "
+        "Without it, operator credentials ask as the person --as names",
+    )
+    parser.add_argument(
+        "--request-id",
+        help="the idempotency key: the same id asks for the same repair (a detector's is "
+        "required; a person's is made up when absent)",
+    )
     parser.add_argument("--line", action="append", default=[], help="a raw evidence line")
     parser.add_argument("--value", action="append", default=[], metavar="NAME=NUMBER")
     parser.add_argument("--where", default="", help="where the evidence was read")
     parser.add_argument("--severity", choices=["critical", "warning"], default="warning")
     parser.add_argument("--reason", default="")
+    who_flag(parser, "a person asking: recorded as requester and approver")
     output_flag(parser, "json|yaml|jsonpath=... (default: one line)")
     repair_flags(parser)
 
 
-def _repair_request_of(args: argparse.Namespace) -> RepairRequest:
+def _evidence_of(args: argparse.Namespace, source: str) -> list[Evidence]:
     values = {}
     for item in args.value:
         name, _, number = item.partition("=")
@@ -443,40 +461,66 @@ def _repair_request_of(args: argparse.Namespace) -> RepairRequest:
             values[name] = float(number)
         except ValueError:
             raise NodusError(ErrorCode.INVALID, f"--value {item!r}: not NAME=NUMBER") from None
-    evidence = Evidence(
-        kind=AlertKind.EXTERNAL,
-        source=f"external:{args.detector}",
-        node=args.node,
-        where=args.where or args.detector,
-        observed_time=now(),
-        severity=args.severity,
-        lines=args.line,
-        values=values,
-    )
-    try:
-        request = RepairRequest(
-            detector=args.detector,
-            request_id=args.request_id,
+    if not (args.line or values):
+        return []
+    return [
+        Evidence(
+            kind=AlertKind.EXTERNAL,
+            source=source,
             node=args.node,
-            action=args.action,
-            evidence=[evidence] if (args.line or values) else [],
-            reason=args.reason,
+            where=args.where or source,
+            observed_time=now(),
+            severity=args.severity,
+            lines=args.line,
+            values=values,
         )
-        return convert(msgspec.to_builtins(request), RepairRequest)
+    ]
+
+
+def _checked(request: msgspec.Struct) -> Any:
+    try:
+        return convert(msgspec.to_builtins(request), type(request))
     except msgspec.ValidationError as error:
         raise NodusError(ErrorCode.INVALID, str(error)) from None
 
 
 async def _repair_request(args: argparse.Namespace) -> int:
-    reply: RemediationReply = await _request(
-        args, names.API_REMEDIATION_REQUEST, _repair_request_of(args), RemediationReply
-    )
+    from app.cli.labels import detector_named  # labels builds on this module
+
+    async with open_bus(args, buckets=None, inbox_prefix=DETECTOR_INBOX) as bus:
+        detector = detector_named(detector_of(await bus.user_info()), args.detector)
+        if detector is not None:
+            if not args.request_id:
+                raise NodusError(
+                    ErrorCode.INVALID, "a detector's request carries --request-id (R8)"
+                )
+            body: msgspec.Struct = RepairRequest(
+                request_id=args.request_id,
+                node=args.node,
+                action=args.action,
+                evidence=_evidence_of(args, f"external:{detector}"),
+                reason=args.reason,
+            )
+            subject = names.caller_subject(names.API_REMEDIATION_EXTERNAL, detector)
+        else:
+            body = PersonRepairRequest(
+                by=args.who,
+                request_id=args.request_id or uuid.uuid4().hex[:12],
+                node=args.node,
+                action=args.action,
+                evidence=_evidence_of(args, f"person:{args.who}"),
+                reason=args.reason,
+            )
+            subject = names.API_REMEDIATION_REQUEST
+        reply: RemediationReply = await bus.request(
+            subject, _checked(body), RemediationReply, timeout=10.0
+        )
     if emit(msgspec.to_builtins(reply.remediation), args.output):
         return 0
     r = reply.remediation
     print(
         f"remediation/{r.id} {'created' if reply.created else 'exists (same request)'}: "
-        f"{r.action.value} of {r.node}, {r.state.value}"
+        f"{r.action.value} of {r.node}, {r.state.value}, requested by {r.requester.name}"
     )
     return 0
 
@@ -537,7 +581,7 @@ CANCEL = Command(
 )
 REPAIR = group(
     "repair",
-    "external detectors: request a repair (R8)",
+    "ask for a repair: as an external detector (R8) or as a person",
     "repair_command",
     [
         Command(
@@ -545,10 +589,13 @@ REPAIR = group(
             "ask for a repair with evidence",
             _repair_request_flags,
             run_async(_repair_request),
-            description="Ask the remediator for a repair as an external detector: recorded as "
-            "such, idempotent on (detector, request id), Reboot, Reprovision or Migrate only; it "
-            "skips approval but passes the evidence gate, the capacity check, the budget and the "
-            "per-cluster cap.",
+            description="Ask the remediator for a repair. As an external detector (a "
+            "detector's credentials, or --detector): recorded as such, idempotent on (detector, "
+            "request id), Reboot, Reprovision or Migrate only; it skips approval but passes the "
+            "evidence gate, the capacity check, the budget and the per-cluster cap. As a person "
+            "(operator credentials, --as NAME): recorded as that person, who approves it by "
+            "asking; any action, Delete included; the evidence gate holds (the node's firing "
+            "alerts count).",
         )
     ],
 )
@@ -589,6 +636,7 @@ FAULT = group(
 def commands() -> list[Command]:
     """The repair commands in `nodus --help` order, `nodus policy` among them (app.cli.policy
     builds on this module, so it is imported here, not at the top)."""
+    from app.cli.labels import LABEL
     from app.cli.policy import POLICY
 
-    return [APPROVE, CANCEL, POLICY, REPAIR, BREAKER, FAULT]
+    return [APPROVE, CANCEL, POLICY, REPAIR, LABEL, BREAKER, FAULT]

@@ -27,6 +27,14 @@ def _up_flags(parser: argparse.ArgumentParser) -> None:
         "nodus0 and the Direct path",
     )
     parser.add_argument(
+        "--detector",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a bus user for an external detector (R8), printed as NODUS_CREDENTIALS for it: "
+        "it may only ask repairs and label nodes, as NAME",
+    )
+    parser.add_argument(
         "--prometheus",
         action="store_true",
         help="also run Debian's Prometheus on STATE_DIR/prometheus/targets.json (every daemon "
@@ -44,6 +52,7 @@ async def _up(args: argparse.Namespace) -> int:
         placers=args.placers,
         netns=args.netns,
         prometheus=args.prometheus,
+        detectors=args.detector,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -56,6 +65,9 @@ async def _up(args: argparse.Namespace) -> int:
         print(f"NODUS_NATS_URL={system.url}", flush=True)
         # The operator's bus user: `export` both, and the CLI reaches this bus (S1).
         print(f"NODUS_CREDENTIALS={system.nats.credentials}", flush=True)
+        for detector in args.detector:
+            seed = system.detector_credentials(detector)
+            print(f"# detector {detector}: NODUS_CREDENTIALS={seed}", flush=True)
         if system.prometheus:
             print(
                 f"NODUS_PROMETHEUS_URL=http://{system.prometheus_host}:{system.prometheus_port}",

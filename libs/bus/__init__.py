@@ -1,6 +1,6 @@
 """NATS and JetStream for every Nodus process."""
 
-from libs.bus.bus import Bus, Endpoint
+from libs.bus.bus import Bus, CallerEndpoint, Endpoint
 from libs.bus.connection import DEFAULT_URL, connect, default_url
 from libs.bus.epoch_guard import EpochGuard, check_plan_generations
 from libs.bus.kv import Bucket, Change, Versioned
@@ -9,6 +9,7 @@ __all__ = [
     "DEFAULT_URL",
     "Bucket",
     "Bus",
+    "CallerEndpoint",
     "Change",
     "Endpoint",
     "EpochGuard",

@@ -10,6 +10,7 @@ matches permissions token by token). Keys are `org.name.epoch...`; `*.*.*` is a 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,12 +22,16 @@ from libs.contracts import names
 # operator's CLI work across every gang and node, so they hold the Nodus subjects whole.
 AGENT = "agent"
 RELAY = "relay"
+DETECTOR = "detector"  # an external fault detector: asks for repairs as itself (R8)
 SERVICE = "service"
 OPERATOR = "operator"
-ROLES = (AGENT, RELAY, SERVICE, OPERATOR)
+ROLES = (AGENT, RELAY, DETECTOR, SERVICE, OPERATOR)
+NAMED_ROLES = (AGENT, RELAY, DETECTOR)  # identities that carry a node, relay or detector name
 
 # Everything Nodus itself uses: what a service may publish and subscribe to.
 NODUS_SUBJECTS = ["nodus.>", "$JS.API.>", "$KV.>", "$JS.FC.>", "$JS.ACK.>", "$SRV.>", "_INBOX.>"]
+
+_SUBJECT_TOKEN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 # A watch's consumer is named (libs.bus.kv), so its filter is part of the API subject.
 _CONSUMER_NAME = "*"
@@ -52,8 +57,11 @@ def agent_inbox(node: str) -> str:
 def new_identity(name: str, role: str, node: str | None = None) -> Identity:
     if role not in ROLES:
         raise ValueError(f"unknown bus role {role!r}; one of {', '.join(ROLES)}")
-    if role in (AGENT, RELAY) and not node:
-        raise ValueError(f"a {role} identity names its node or relay")
+    if role in NAMED_ROLES and not (node and _SUBJECT_TOKEN.match(node)):
+        raise ValueError(
+            f"a {role} identity names its node, relay or detector: lower-case letters, digits "
+            f"and '-' (a subject token), not {node!r}"
+        )
     seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
     public = nkeys.from_seed(bytearray(seed)).public_key
     return Identity(name, role, seed.decode(), public.decode(), node)
@@ -163,6 +171,38 @@ def relay_permissions(relay: str) -> dict[str, Any]:
     }
 
 
+# Detectors' replies come here (their CLI does not know its name before the server says it);
+# no node's name starts with '_', so no agent's inbox is under it.
+DETECTOR_INBOX = "_INBOX._detector"
+
+
+def detector_of(user_info: dict[str, Any]) -> str | None:
+    """The detector a bus user is, from the server's `$SYS.REQ.USER.INFO` answer: the name its
+    permissions let it speak as. None for a user the server does not confine (an operator)."""
+    allowed = ((user_info.get("permissions") or {}).get("publish") or {}).get("allow") or []
+    prefix = names.API_NODE_LABEL + "."
+    for subject in allowed:
+        if isinstance(subject, str) and subject.startswith(prefix):
+            return subject[len(prefix) :]
+    return None
+
+
+def detector_permissions(detector: str) -> dict[str, Any]:
+    """An external detector speaks only as itself: the subjects of its repair requests and node
+    labels end in its name, which is how the remediator knows who asked (R8). It reads nothing
+    of the bus; its replies come to an inbox, and the server tells it who it is."""
+    return {
+        "publish": {
+            "allow": [
+                names.caller_subject(names.API_REMEDIATION_EXTERNAL, detector),
+                names.caller_subject(names.API_NODE_LABEL, detector),
+                "$SYS.REQ.USER.INFO",
+            ]
+        },
+        "subscribe": {"allow": [f"{DETECTOR_INBOX}.>"]},
+    }
+
+
 def permissions(identity: Identity) -> dict[str, Any] | None:
     """None: the operator's CLI, which may do anything on this bus."""
     if identity.role == AGENT:
@@ -171,6 +211,9 @@ def permissions(identity: Identity) -> dict[str, Any] | None:
     if identity.role == RELAY:
         assert identity.node
         return relay_permissions(identity.node)
+    if identity.role == DETECTOR:
+        assert identity.node
+        return detector_permissions(identity.node)
     if identity.role == SERVICE:
         return {"publish": {"allow": NODUS_SUBJECTS}, "subscribe": {"allow": NODUS_SUBJECTS}}
     return None

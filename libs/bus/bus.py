@@ -19,7 +19,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
 
-from libs.bus.connection import connect, jetstream
+from libs.bus.connection import connect, jetstream, refusal_of
 from libs.bus.kv import Bucket, named_watches
 from libs.contracts.base import decode, encode
 from libs.contracts.errors import ErrorCode, ErrorReply, NodusError
@@ -155,6 +155,21 @@ class Bus:
             raise NodusError(ErrorCode.INTERNAL, f"bucket {name} was not opened at start")
         return Bucket(self._buckets[name], kind, name)
 
+    async def user_info(self, timeout: float = 5.0) -> dict[str, Any]:
+        """Who the server says this connection is: its user (public key) and, for a confined
+        user, its permissions (`$SYS.REQ.USER.INFO`)."""
+        try:
+            msg = await self.nc.request("$SYS.REQ.USER.INFO", b"", timeout=timeout)
+            answer = msgspec.json.decode(msg.data)
+        except (nats.errors.Error, msgspec.DecodeError) as error:
+            raise NodusError(
+                ErrorCode.TIMEOUT, f"the bus did not say who this user is: {error!r}"
+            ) from None
+        data = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(data, dict):
+            raise NodusError(ErrorCode.TIMEOUT, f"the bus did not say who this user is: {answer}")
+        return data
+
     async def request(
         self, subject: str, body: msgspec.Struct, reply: type[R], timeout: float = 5.0
     ) -> R:
@@ -177,6 +192,13 @@ class Bus:
                 f"nobody answers {subject}: the service or agent it names is not running",
             ) from None
         except nats.errors.TimeoutError:
+            refusal = refusal_of(self.nc, subject)
+            if refusal is not None:
+                raise NodusError(
+                    ErrorCode.UNAUTHORIZED,
+                    f"the bus does not let this user send {subject} ({refusal}): "
+                    "its credentials are another's (S1)",
+                ) from None
             raise NodusError(
                 ErrorCode.TIMEOUT, f"no answer on {subject} within {timeout:g}s"
             ) from None
@@ -278,7 +300,7 @@ class Endpoint(Generic[Req, Rep]):
             )
             return
         try:
-            reply = await self.handler(body)
+            reply = await self._call(body, request.subject)
         except NodusError as error:
             await _respond_error(request, error)
             return
@@ -287,6 +309,32 @@ class Endpoint(Generic[Req, Rep]):
             await _respond_error(request, NodusError(ErrorCode.INTERNAL, f"{self.name}: {error!r}"))
             return
         await request.respond(encode(reply))
+
+    async def _call(self, body: Req, subject: str) -> Rep:
+        return await self.handler(body)
+
+
+class CallerEndpoint(Endpoint[Req, Rep]):
+    """An endpoint on `prefix.*` whose handler is told the caller: the subject's last token,
+    which the bus's permissions fix to the sender's own name (S1, R8)."""
+
+    def __init__(
+        self,
+        name: str,
+        prefix: str,
+        request: type[Req],
+        handler: Callable[[Req, str], Awaitable[Rep]],
+        concurrency: int = 1,
+    ) -> None:
+        super().__init__(name, f"{prefix}.*", request, self._unused, concurrency)
+        self.prefix = prefix
+        self.caller_handler = handler
+
+    async def _unused(self, body: Req) -> Rep:
+        raise AssertionError("CallerEndpoint calls its handler with the caller")
+
+    async def _call(self, body: Req, subject: str) -> Rep:
+        return await self.caller_handler(body, subject[len(self.prefix) + 1 :])
 
 
 async def _respond_error(request: Request, error: NodusError) -> None:

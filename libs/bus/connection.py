@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import ssl
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,11 @@ async def connect(
     refusals: list[str] = []
 
     async def on_error(error: Exception) -> None:
-        if client:  # before the first connect, the caller gets one clear error instead
+        if client and "permissions violation" in str(error).lower():
+            _REFUSED.setdefault(client[0], []).append(str(error))
+            del _REFUSED[client[0]][:-10]
+            log.warning("bus error: %s", error)
+        elif client:  # before the first connect, the caller gets one clear error instead
             log.warning("bus error: %s", error)
         elif "authorization" in str(error).lower():
             refusals.append(str(error))
@@ -128,6 +133,19 @@ async def connect(
     # nats-py reads this option on every reconnect: once up, never give up on the bus.
     nc.options["max_reconnect_attempts"] = -1
     return nc
+
+
+# The server's last permission refusals per connection: a refused publish is otherwise only
+# a request that times out.
+_REFUSED: weakref.WeakKeyDictionary[Client, list[str]] = weakref.WeakKeyDictionary()
+
+
+def refusal_of(nc: Client, subject: str) -> str | None:
+    """The server's refusal of this connection's publish to `subject`, if it refused one."""
+    for refusal in reversed(_REFUSED.get(nc, [])):
+        if f'"{subject.lower()}"' in refusal.lower():
+            return refusal
+    return None
 
 
 def _refused(error: Exception, refusals: list[str]) -> bool:

@@ -36,7 +36,10 @@ class BusUsers:
             path = Path(known["seed_file"])
             if path.exists():
                 return path
-        identity = new_identity(name, role, node)
+        try:
+            identity = new_identity(name, role, node)
+        except ValueError as error:
+            raise NodusError(ErrorCode.INVALID, f"bus user {name}: {error}") from None
         path = seed_file or self.directory / f"{name}.nk"
         write_secret(path, identity.seed + "\n")
         self._register(users, name, role, node, identity.public_key, path)

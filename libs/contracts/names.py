@@ -114,7 +114,11 @@ def rank_key(gang: str, epoch: int, rank: int, node: str) -> str:
 
 API_REMEDIATION_APPROVE = "nodus.api.remediation.approve"
 API_REMEDIATION_CANCEL = "nodus.api.remediation.cancel"
-API_REMEDIATION_REQUEST = "nodus.api.remediation.request"  # external detectors (R8)
+API_REMEDIATION_REQUEST = "nodus.api.remediation.request"  # a person asks for a repair
+# An external detector's request and its node labels (R8): the caller is the last token,
+# which the bus's permissions fix to the detector's own name (libs.bus.auth.DETECTOR).
+API_REMEDIATION_EXTERNAL = "nodus.api.remediation.external"
+API_NODE_LABEL = "nodus.api.nodes.label"
 API_REMEDIATION_BREAKER_RESET = "nodus.api.remediation.breaker.reset"
 
 BUCKET_SIGNALS = "nodus-signals"  # node.source -> SignalReport (level-triggered findings)
@@ -128,6 +132,7 @@ BUCKET_CORDONS = "nodus-cordons"  # node -> Cordon (the placer skips cordoned no
 BUCKET_REPAIR_SLOTS = "nodus-repair-slots"  # node.<n> | pool.<p> | cluster.<c> -> RepairSlots
 BUCKET_MACHINES = "nodus-machines"  # node -> MachineState (the local machine provider)
 BUCKET_HOSTS = "nodus-hosts"  # host id -> HostRecord (hosts in revalidation, R15)
+BUCKET_NODE_LABELS = "nodus-node-labels"  # node -> NodeLabels (set through the API, R8)
 
 REMEDIATION_BUCKETS = [
     BUCKET_SIGNALS,
@@ -141,10 +146,16 @@ REMEDIATION_BUCKETS = [
     BUCKET_REPAIR_SLOTS,
     BUCKET_MACHINES,
     BUCKET_HOSTS,
+    BUCKET_NODE_LABELS,
 ]
 ALL_BUCKETS += [BUCKET_CORDONS]  # the placer reads cordons
 # The prober reads a failed rank's machine: a fault or a repair may explain it (R17).
 ALL_BUCKETS += [BUCKET_ALERTS, BUCKET_REMEDIATIONS]
+
+
+def caller_subject(prefix: str, caller: str) -> str:
+    """`prefix.<caller>`: a request whose sender the bus's permissions name."""
+    return f"{prefix}.{caller}"
 
 
 def signal_key(node: str, source: str) -> str:

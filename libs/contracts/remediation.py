@@ -186,12 +186,13 @@ class Recommendation(Record):
 
 class Requester(Record):
     """Who asked (R7, R8): a person, the automatic policy, or an external detector (recorded as
-    such; it cannot claim to be a person)."""
+    such; it cannot claim to be a person). `via` says how: the API or the node's labels."""
 
     kind: Literal["human", "automatic", "external"]
     name: str
     detector: str | None = None
     request_id: str | None = None
+    via: Literal["", "api", "label"] = ""
 
 
 class Approver(Record):
@@ -398,14 +399,68 @@ class RemediationReply(Record):
 
 
 class RepairRequest(Record):
-    """An external detector asks for a repair (R8); (detector, request_id) is idempotent."""
+    """An external detector asks for a repair (R8); (detector, request_id) is idempotent. The
+    detector is the one the request's subject names (the bus lets each detector's user speak
+    only as itself); a body that names another is refused."""
 
-    detector: Token
     request_id: Token
     node: Name
     action: Action
     evidence: list[Evidence]
     reason: str = ""
+    detector: Name | None = None
+
+
+class PersonRepairRequest(Record):
+    """A person asks for a repair (`nodus repair request --as`): requested and approved by that
+    person, any action Delete included; the evidence gate holds (R3). A detector's bus user
+    cannot send it (S1), so a detector cannot pass for a person."""
+
+    by: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    request_id: Token
+    node: Name
+    action: Action
+    evidence: list[Evidence] = []
+    reason: str = ""
+
+
+# Node labels (R8): free-form labels on a node, and the repair contract on them.
+LABEL_PREFIX = "repair.nodus.io/"
+LABEL_ACTION = LABEL_PREFIX + "action"
+LABEL_REQUEST_ID = LABEL_PREFIX + "request-id"
+LABEL_REASON = LABEL_PREFIX + "reason"
+LABEL_EVIDENCE = LABEL_PREFIX + "evidence"  # the detector's raw finding, one line
+LABEL_SEVERITY = LABEL_PREFIX + "severity"
+LABEL_REMEDIATION = LABEL_PREFIX + "remediation"  # written by Nodus: the repair it made
+
+
+class NodeLabel(Record):
+    value: str
+    by: str  # who set it: the caller the bus named
+    time: datetime
+
+
+class NodeLabels(Record):
+    """A node's labels (bucket `nodus-node-labels`, key = node), written only by the remediator's
+    label API: agents own `nodus-nodes` and cannot set these."""
+
+    node: Name
+    labels: dict[str, NodeLabel] = {}
+
+
+class LabelRequest(Record):
+    """`nodus label node NAME KEY=VALUE ... KEY-`: set and remove labels in one change."""
+
+    node: Name
+    set: dict[str, str] = {}
+    remove: list[str] = []
+    overwrite: bool = False  # as kubectl: changing a label's value needs it
+
+
+class LabelReply(Record):
+    labels: NodeLabels
+    remediation: Remediation | None = None
+    created: bool = False
 
 
 class BreakerResetRequest(Record):

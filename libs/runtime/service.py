@@ -99,6 +99,10 @@ def configure_logging(service: str, level: str = "INFO", fmt: str = "json") -> N
     logging.getLogger("nats").setLevel(max(logging.WARNING, root.level))
 
 
+class RestartProcess(Exception):
+    """Raised by a daemon's body once it stopped cleanly: run it again from the start."""
+
+
 def run_daemon(service: str, args: argparse.Namespace, body: Body) -> int:
     """Run `body` under uvloop until SIGTERM/SIGINT; a NodusError at start is a clear exit 1."""
     configure_logging(service, args.log_level, args.log_format)
@@ -116,6 +120,12 @@ def run_daemon(service: str, args: argparse.Namespace, body: Body) -> int:
 
     try:
         uvloop.run(main())
+    except RestartProcess as restart:
+        # The same program again, in this process (same PID, logs and namespace): what a
+        # machine's boot does to its daemons, for the lab's machine provider (issue 13).
+        log.info("restarting: %s", restart)
+        logging.shutdown()
+        os.execv(sys.executable, sys.orig_argv)
     except NodusError as error:
         log.error("cannot start: %s", error)
         print(f"nodus {service}: {error}", file=sys.stderr)

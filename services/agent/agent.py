@@ -7,6 +7,7 @@ import asyncio
 import logging
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -58,8 +59,13 @@ class Agent:
         state_dir: Path | None = None,
         nodus0: bool = False,
         port_rules: bool = False,
+        restart: Callable[[], None] | None = None,
     ) -> None:
         self.bus = bus
+        # How a reboot request boots this machine: the daemon starts again (a new process, a
+        # new boot id; ranks and tunnels gone). Without one (in-process agents of the tests)
+        # only the boot id changes.
+        self.restart = restart
         if isinstance(machine, Machine):  # a machine of the fleet file (the lab)
             self.inventory, self.capabilities = inventory_of(machine), capabilities_of(machine)
         else:  # a machine that described itself (O1)
@@ -89,7 +95,14 @@ class Agent:
         self._starting = TaskSet("agent dataplane start", log)
         self._tasks: list[asyncio.Task[None]] = []
         state = state_dir or Path(tempfile.gettempdir()) / "nodus" / self.node
-        self.gangs = GangWork(bus, self.node, state / "logs", self._path_of, self._joined_epoch)
+        self.gangs = GangWork(
+            bus,
+            self.node,
+            state / "logs",
+            self._path_of,
+            self._joined_epoch,
+            scratch_dir=state / "scratch" if state_dir else None,
+        )
 
     async def _path_of(self, gang: str, epoch: int, peer: str) -> str | None:
         """The path to `peer` the workload's bytes take now: the tunnel's relay on the
@@ -158,7 +171,12 @@ class Agent:
         self.private.clear()
 
     async def reboot(self, _: RebootRequest) -> RebootReply:
-        """The simulated machine boots again (issue 6): a new boot id, registered again."""
+        """The lab's machine boots again: the agent restarts, and registers with a new boot id
+        (the answer goes first, so the provider knows the boot began)."""
+        if self.restart is not None:
+            log.info("agent %s reboots: its ranks and tunnels stop, it starts again", self.node)
+            asyncio.get_running_loop().call_later(0.05, self.restart)
+            return RebootReply(node=self.node, boot_id="")
         self.boot_id = str(uuid.uuid4())
         await self.nodes.put(self.node, self.record())
         await self._beat()

@@ -64,8 +64,12 @@ class GangWork:
         log_dir: Path,
         path_of: Callable[[str, int, str], Awaitable[str | None]],
         joined_epoch: Callable[[str, int], Epoch],
+        scratch_dir: Path | None = None,
     ) -> None:
         self.bus = bus
+        # The machine's local disk for ranks (NODUS_SCRATCH_DIR): kept by a reboot, lost to a
+        # reprovision or a migration, as a VM's local disk is.
+        self.scratch_dir = scratch_dir
         self.node = node
         self.joined_epoch = joined_epoch  # the epochs this node joined, by their keys
         self.runner = RankRunner(node, bus.bucket(names.BUCKET_RANKS, RankStatus), log_dir)
@@ -205,8 +209,12 @@ class GangWork:
             )
         if not request.command:
             raise NodusError(ErrorCode.INVALID, f"{request.gang}: no command to launch")
+        env = dict(member.env)
+        if self.scratch_dir is not None:
+            await asyncio.to_thread(self.scratch_dir.mkdir, parents=True, exist_ok=True)
+            env["NODUS_SCRATCH_DIR"] = str(self.scratch_dir)
         started = await self.runner.launch(
-            request.gang, request.epoch, request.rank, request.command, member.env
+            request.gang, request.epoch, request.rank, request.command, env
         )
         return LaunchReply(started=started)
 

@@ -14,6 +14,7 @@ from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Machine, load_fleet
 from libs.discovery.gpus import DiscoveryError
 from libs.runtime import add_common_flags, run_daemon
+from libs.runtime.service import RestartProcess
 from services.agent.agent import Agent
 from services.agent.discover import MACHINE_FILE, discover, load_facts
 from services.agent.inventory import Described
@@ -123,6 +124,12 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         buckets=AGENT_BUCKETS,
         inbox_prefix=agent_inbox(args.node),  # the only inbox its bus user may read (S1)
     )
+    rebooting = asyncio.Event()
+
+    def reboot() -> None:  # the lab's machine provider reboots this machine
+        rebooting.set()
+        stop.set()
+
     agent = Agent(
         bus,
         machine,
@@ -132,6 +139,7 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         state_dir=args.state_dir,
         nodus0=args.nodus0,
         port_rules=args.port_rules,
+        restart=reboot,
     )
     try:
         await agent.start()
@@ -139,6 +147,8 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
     finally:
         await agent.stop()
         await bus.close()
+    if rebooting.is_set():
+        raise RestartProcess("the machine reboots: a new boot id, its ranks and tunnels gone")
 
 
 def run(args: argparse.Namespace) -> int:

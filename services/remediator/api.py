@@ -10,13 +10,18 @@ from datetime import datetime
 from libs.bus import Versioned
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.remediation import (
+    MAX_EVIDENCE_ITEMS,
     Action,
     Approver,
     ApproveRequest,
     BreakerReply,
     BreakerResetRequest,
     CancelRequest,
+    Evidence,
+    LabelReply,
+    LabelRequest,
     Outcome,
+    PersonRepairRequest,
     Remediation,
     RemediationReply,
     RemediationState,
@@ -24,7 +29,7 @@ from libs.contracts.remediation import (
     Requester,
     Transition,
 )
-from services.remediator import guardrails, lifecycle, metrics
+from services.remediator import guardrails, labels, lifecycle, metrics
 from services.remediator.breakers import Breakers
 from services.remediator.decide import effective_action, has_critical, has_failed_check
 from services.remediator.lifecycle import remediation_id
@@ -121,28 +126,93 @@ class Api:
         breaker = await self.breakers.reset(request.cluster, request.by, self.clock())
         return BreakerReply(breaker=breaker)
 
-    async def request_repair(self, request: RepairRequest) -> RemediationReply:
-        """R8: recorded as an external requester; (detector, request id) is idempotent; no
-        Delete; skips approval, not the evidence gate, the capacity check, the budget (at
-        execution) nor the per-cluster cap."""
-        rid = remediation_id(request.node, "external", request.detector, request.request_id)
+    async def request_repair(
+        self, request: RepairRequest, detector: str, via: str = "api"
+    ) -> RemediationReply:
+        """R8: recorded as an external requester, the detector the bus named; (detector,
+        request id) is idempotent; no Delete; skips approval, not the evidence gate, the
+        capacity check, the budget (at execution) nor the per-cluster cap."""
+        if request.detector is not None and request.detector != detector:
+            raise NodusError(
+                ErrorCode.INVALID,
+                f"this bus user asks as detector {detector}, not {request.detector}: a detector "
+                "speaks only as itself (R8)",
+                field="$.detector",
+            )
+        rid = remediation_id(request.node, "external", detector, request.request_id)
+
+        def build(now: datetime) -> Remediation:
+            _check_request(request)
+            self._check_cap(self._registered(request.node)[0])
+            return self._external(request, detector, via, rid, now)
+
+        return await self._create(rid, request.node, build)
+
+    async def request_by_person(self, request: PersonRepairRequest) -> RemediationReply:
+        """A person's request (`nodus repair request --as`): recorded as that person, who also
+        approves it by asking; any action, Delete included (R9); the evidence gate (R3), the
+        capacity check and one repair per node hold. Detectors cannot send it (S1)."""
+        rid = remediation_id(request.node, "human", request.by, request.request_id)
+
+        def build(now: datetime) -> Remediation:
+            return self._by_person(request, rid, now)
+
+        return await self._create(rid, request.node, build)
+
+    async def label_node(self, request: LabelRequest, caller: str) -> LabelReply:
+        """Set and remove a node's labels as `caller` (the name the bus gave the sender). A
+        change that sets the repair labels is that caller's repair request (R8): refused, the
+        labels stay as they were; granted or repeated, the node notes the repair it made."""
+        self._registered(request.node)
+        bucket = self.store.label_bucket
+        for _ in range(5):
+            current = await bucket.get(request.node)
+            now = self.clock()
+            changed = labels.apply(current.value if current else None, request, caller, now)
+            reply: RemediationReply | None = None
+            if labels.asks_repair(request):
+                asked = labels.repair_request(changed, caller)
+                reply = await self.request_repair(asked, caller, via="label")
+                changed = labels.with_remediation(changed, reply.remediation.id, now)
+            if current is not None and changed == current.value:
+                break
+            revision = (
+                await bucket.create(request.node, changed)
+                if current is None
+                else await bucket.update(request.node, changed, current.revision)
+            )
+            if revision is not None:
+                break
+            # Another change landed between: again on a fresh read (a repair asked is
+            # idempotent, so asking again makes the same one).
+        else:
+            raise NodusError(
+                ErrorCode.CONFLICT, f"the labels of {request.node} keep changing; retry"
+            )
+        return LabelReply(
+            labels=changed,
+            remediation=reply.remediation if reply else None,
+            created=reply.created if reply else False,
+        )
+
+    async def _create(
+        self, rid: str, node: str, build: Callable[[datetime], Remediation]
+    ) -> RemediationReply:
+        """One remediation under a derived id: an existing one is the answer (idempotent); a
+        new one takes the node's slot first."""
         existing = self.store.rems.get(rid) or await self.store.rem_bucket.get(rid)
         if existing is not None:
             metrics.EXTERNAL.labels("repeated").inc()
             return RemediationReply(remediation=existing.value, created=False)
         try:
-            rem = self._external(request, rid, self.clock())
-            if not await self.provider.has_capacity(request.node, rem.action):
+            rem = build(self.clock())
+            if not await self.provider.has_capacity(node, rem.action):
                 raise NodusError(
-                    ErrorCode.CONFLICT, f"no capacity for {rem.action.value} of {request.node} now"
+                    ErrorCode.CONFLICT, f"no capacity for {rem.action.value} of {node} now"
                 )
-            if not await self.slots.take(f"node.{request.node}", rid, 1, rem.created_time):
-                busy = (
-                    ", ".join(r.id for r in self.store.active_of(request.node)) or "another repair"
-                )
-                raise NodusError(
-                    ErrorCode.CONFLICT, f"{request.node} is already being repaired ({busy})"
-                )
+            if not await self.slots.take(f"node.{node}", rid, 1, rem.created_time):
+                busy = ", ".join(r.id for r in self.store.active_of(node)) or "another repair"
+                raise NodusError(ErrorCode.CONFLICT, f"{node} is already being repaired ({busy})")
         except NodusError as error:
             metrics.EXTERNAL.labels(error.code.value).inc()
             raise
@@ -152,53 +222,106 @@ class Api:
                 raise NodusError(ErrorCode.CONFLICT, f"remediation {rid} raced; retry")
             return RemediationReply(remediation=found.value, created=False)
         metrics.EXTERNAL.labels("created").inc()
-        self.store.wake(request.node)
+        self.store.wake(node)
         return RemediationReply(remediation=rem, created=True)
 
-    def _external(self, request: RepairRequest, rid: str, now: datetime) -> Remediation:
-        _check_request(request)
-        record = self.store.nodes.get(request.node)
+    def _registered(self, node: str) -> tuple[str, str]:
+        """The node's cluster and pool; a node nobody registered is not repaired."""
+        record = self.store.nodes.get(node)
         if record is None:
-            raise NodusError(ErrorCode.NOT_FOUND, f"node {request.node} is not registered")
-        cluster, pool = record.value.inventory.cluster, record.value.inventory.pool
-        self._check_cap(cluster)
-        self._check_capacity(cluster, request.node)
+            raise NodusError(ErrorCode.NOT_FOUND, f"node {node} is not registered")
+        return record.value.inventory.cluster, record.value.inventory.pool
+
+    def _external(
+        self, request: RepairRequest, detector: str, via: str, rid: str, now: datetime
+    ) -> Remediation:
         # R11 looks at the node's own critical alerts too.
         critical = [e for a in self.store.firing_of(request.node) for e in a.evidence]
-        action, r11 = effective_action(request.action, [*request.evidence, *critical])
+        how = "by node label" if via == "label" else "through the API"
         reason = "external requests skip the approval queue (R8)"
-        rule = f"external detector {request.detector} asked {request.action.value}"
-        if request.reason:
-            rule += f" ({request.reason[:200]})"
-        if r11:
-            rule += f"; {r11}"
+        return self._approved(
+            rid,
+            request.node,
+            request.action,
+            [*request.evidence, *critical],
+            Requester(
+                kind="external",
+                name=f"external:{detector}",
+                detector=detector,
+                request_id=request.request_id,
+                via="label" if via == "label" else "api",
+            ),
+            Approver(kind="policy", name="policy", rule=reason),
+            _rule(f"external detector {detector} asked {request.action.value} {how}", request),
+            reason,
+            request.evidence,
+            now,
+        )
+
+    def _by_person(self, request: PersonRepairRequest, rid: str, now: datetime) -> Remediation:
+        _one_target(request.node, request.evidence)
+        # The node's own firing alerts are evidence a person may act on.
+        evidence = [
+            *request.evidence,
+            *(e for a in self.store.firing_of(request.node) for e in a.evidence),
+        ]
+        if not has_failed_check(evidence):
+            raise NodusError(
+                ErrorCode.INVALID,
+                f"{request.node} has no firing alert and the request carries no failed check "
+                "(--line or --value): no repair without one (R3)",
+                field="$.evidence",
+            )
+        return self._approved(
+            rid,
+            request.node,
+            request.action,
+            evidence,
+            Requester(kind="human", name=request.by, request_id=request.request_id, via="api"),
+            Approver(kind="human", name=request.by, rule="requested by a person"),
+            _rule(f"{request.by} asked {request.action.value}", request),
+            "a person asked for it, which approves it",
+            evidence[:MAX_EVIDENCE_ITEMS],
+            now,
+        )
+
+    def _approved(
+        self,
+        rid: str,
+        node: str,
+        requested: Action,
+        decided_on: list[Evidence],
+        requester: Requester,
+        approver: Approver,
+        rule: str,
+        reason: str,
+        evidence: list[Evidence],
+        now: datetime,
+    ) -> Remediation:
+        """A repair someone asked for, approved as it is made: past the capacity check, its
+        action after R11 on `decided_on`."""
+        cluster, pool = self._registered(node)
+        self._check_capacity(cluster, node)
+        action, r11 = effective_action(requested, decided_on)
         return Remediation(
             id=rid,
-            node=request.node,
+            node=node,
             cluster=cluster,
             pool=pool,
             action=action,
-            requested_action=request.action,
+            requested_action=requested,
             state=RemediationState.APPROVED,
             reason=reason,
-            requester=Requester(
-                kind="external",
-                name=f"external:{request.detector}",
-                detector=request.detector,
-                request_id=request.request_id,
-            ),
-            approver=Approver(kind="policy", name="policy", rule=reason),
-            rule=rule,
-            evidence=request.evidence,
-            severity="critical" if has_critical(request.evidence) else "warning",
+            requester=requester,
+            approver=approver,
+            rule=f"{rule}; {r11}" if r11 else rule,
+            evidence=evidence,
+            severity="critical" if has_critical(evidence) else "warning",
             created_time=now,
             approved_time=now,
             history=[
                 Transition(
-                    state=RemediationState.APPROVED,
-                    time=now,
-                    by=f"external:{request.detector}",
-                    reason=reason,
+                    state=RemediationState.APPROVED, time=now, by=requester.name, reason=reason
                 )
             ],
         )
@@ -249,12 +372,7 @@ def _check_request(request: RepairRequest) -> None:
             f"{request.action.value}: delete is always a person's decision (R8)",
             field="$.action",
         )
-    if any(e.node != request.node for e in request.evidence):
-        raise NodusError(
-            ErrorCode.INVALID,
-            "every piece of evidence must be about the one target node (one target per repair)",
-            field="$.evidence",
-        )
+    _one_target(request.node, request.evidence)
     if not has_failed_check(request.evidence):
         raise NodusError(
             ErrorCode.INVALID,
@@ -262,3 +380,16 @@ def _check_request(request: RepairRequest) -> None:
             "NotReady alone): no repair without one (R3)",
             field="$.evidence",
         )
+
+
+def _one_target(node: str, evidence: list[Evidence]) -> None:
+    if any(e.node != node for e in evidence):
+        raise NodusError(
+            ErrorCode.INVALID,
+            "every piece of evidence must be about the one target node (one target per repair)",
+            field="$.evidence",
+        )
+
+
+def _rule(head: str, request: RepairRequest | PersonRepairRequest) -> str:
+    return f"{head} ({request.reason[:200]})" if request.reason else head

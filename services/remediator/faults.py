@@ -49,6 +49,9 @@ PCI_ADDRESSES = [
     "0000:db:00",
 ]
 STICKY = "faults.sticky"  # JSON lines: faults that are hardware (survive reboots)
+SCRATCH = "scratch"  # the machine's local disk for its ranks (NODUS_SCRATCH_DIR)
+# A machine's data, not its detector inputs: never copied through a rebuild's staging.
+UNSTAGED = ("logs", SCRATCH)
 BLACKHOLE = "blackhole"  # the simulated network partition the host monitor's probe honours
 
 XID_MESSAGES = {
@@ -336,7 +339,7 @@ def _rebuild(directory: Path, transform: Callable[[Path], None]) -> None:
     if staging.exists():
         shutil.rmtree(staging)
     if directory.exists():
-        shutil.copytree(directory, staging)
+        shutil.copytree(directory, staging, ignore=_unstaged_at(directory))
     else:
         staging.mkdir(parents=True)
     transform(staging)
@@ -349,9 +352,17 @@ def _rebuild(directory: Path, transform: Callable[[Path], None]) -> None:
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(path, target)
     for path in sorted(directory.rglob("*"), reverse=True):
-        if path.is_file() and path.relative_to(directory) not in kept:
+        relative = path.relative_to(directory)
+        if path.is_file() and relative not in kept and relative.parts[0] not in UNSTAGED:
             path.unlink()
     shutil.rmtree(staging)
+
+
+def _unstaged_at(top: Path) -> Callable[[str, list[str]], list[str]]:
+    def ignore(where: str, entries: list[str]) -> list[str]:
+        return [e for e in entries if e in UNSTAGED] if Path(where) == top else []
+
+    return ignore
 
 
 def reboot(directory: Path) -> None:
@@ -378,11 +389,44 @@ def _reboot(directory: Path) -> None:
 
 
 def reprovision(directory: Path) -> None:
-    """A clean image on the same host: local data is gone; the hardware is what it was."""
+    """A clean image on the same host: local data (`scratch/`) is gone; the hardware is what
+    it was; the machine's identity and logs stay."""
     _rebuild(directory, _reprovision)
+    shutil.rmtree(directory / SCRATCH, ignore_errors=True)
+
+
+# What a machine keeps through a clean image and onto a new host: the identity its provider
+# hands it at boot (its bus user's seed) and the rank logs the platform keeps for the user.
+# Everything else, `scratch/` (NODUS_SCRATCH_DIR) included, is the image's or the host's.
+MACHINE_IDENTITY = ("nats.nk", "logs")
+
+
+def _keep_identity(directory: Path, transform: Callable[[Path], None]) -> None:
+    """Run `transform` on the machine's files with its identity set aside and put back."""
+    aside = directory.parent / f".{directory.name}.identity"
+    if aside.exists():
+        shutil.rmtree(aside)
+    aside.mkdir(parents=True)
+    for name in MACHINE_IDENTITY:
+        if (directory / name).exists():
+            shutil.move(str(directory / name), str(aside / name))
+    try:
+        transform(directory)
+    finally:
+        for name in MACHINE_IDENTITY:
+            if (aside / name).exists():
+                directory.mkdir(parents=True, exist_ok=True)
+                if (directory / name).is_dir():
+                    shutil.rmtree(directory / name)
+                shutil.move(str(aside / name), str(directory / name))
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _reprovision(directory: Path) -> None:
+    _keep_identity(directory, _clean_image)
+
+
+def _clean_image(directory: Path) -> None:
     values = read_dcgm(directory / "dcgm.prom")
     hardware = {key: value for key, value in values.items() if key[0] in HARDWARE_FIELDS}
     sticky = sticky_faults(directory)
@@ -400,11 +444,15 @@ def _reprovision(directory: Path) -> None:
 def move_to_host(directory: Path, host_directory: Path) -> None:
     """The machine leaves its host: the host keeps its files (its hardware state, for the
     diagnostics of revalidation); the machine starts fresh elsewhere."""
-    if host_directory.exists():
-        shutil.rmtree(host_directory)
-    host_directory.parent.mkdir(parents=True, exist_ok=True)
-    if directory.exists():
-        shutil.move(str(directory), str(host_directory))
-    else:
-        ensure_baseline(host_directory)
-    ensure_baseline(directory)
+
+    def leave(machine: Path) -> None:
+        if host_directory.exists():
+            shutil.rmtree(host_directory)
+        host_directory.parent.mkdir(parents=True, exist_ok=True)
+        if machine.exists():
+            shutil.move(str(machine), str(host_directory))
+        else:
+            ensure_baseline(host_directory)
+        ensure_baseline(machine)
+
+    _keep_identity(directory, leave)  # the machine's identity and logs go with it

@@ -4,14 +4,19 @@
 embedded `LocalProvider` acts on the local fleet of `nodus up`:
 
 - Reboot / PowerCycle: the machine's volatile detector inputs start over (a new boot) and its
-  agent restarts with a new boot id (`nodus.node.<node>.req.reboot`);
-- Reprovision: also wipes `STATE_DIR/machines/NAME/` (a clean image; local data is lost);
+  agent process starts again with a new boot id (`nodus.node.<node>.req.reboot`): its ranks
+  and tunnels are gone, its `scratch/` (NODUS_SCRATCH_DIR) stays;
+- Reprovision: a clean image: `STATE_DIR/machines/NAME/` starts over, `scratch/` included,
+  keeping only the machine's identity (its bus seed) and rank logs; the agent starts again;
 - Migrate: the machine moves to a new host id; the old host's files go to
-  `STATE_DIR/hosts/<host>/` and that host goes straight to revalidation;
+  `STATE_DIR/hosts/<host>/` and that host goes straight to revalidation; the machine starts
+  fresh on the new one (identity and logs go with it);
 - Delete: the machine is retired and its host goes to revalidation.
 
-Revalidation runs every detector over the host's files: a healthy host rejoins the pool of
-spare hosts, a failed one stays out (RMA)."""
+The machine is back when its agent registers with a new boot id (and, migrated, on the new
+host); its revalidation runs every detector over its files and asks its agent, which must answer.
+A host left behind is revalidated on its files: a healthy host rejoins the pool of spare hosts,
+a failed one stays out (RMA)."""
 
 from __future__ import annotations
 
@@ -27,7 +32,9 @@ import msgspec
 
 from libs.bus import Bus
 from libs.contracts import names
+from libs.contracts.api import NodeInfoReply, NodeInfoRequest
 from libs.contracts.base import now as utc_now
+from libs.contracts.errors import NodusError
 from libs.contracts.remediation import (
     Action,
     HostRecord,
@@ -187,6 +194,18 @@ class LocalProvider:
         return record
 
     async def diagnose(self, node: str) -> list[str]:
+        """Every detector over the machine's files, and its agent, which must answer from the
+        boot the repair caused."""
         paths = MachinePaths.under(self.machine_dir(node))
         failures = await asyncio.to_thread(diagnose, node, paths, self.clock())
-        return [f"{f.kind.value} {f.subject}: {f.detail}" for f in failures]
+        found = [f"{f.kind.value} {f.subject}: {f.detail}" for f in failures]
+        try:
+            await self.bus.request(
+                names.node_request(node, "info"),
+                NodeInfoRequest(),
+                NodeInfoReply,
+                timeout=self.agent_timeout,
+            )
+        except NodusError as error:
+            found.append(f"agent: {node}'s agent does not answer after the repair: {error}")
+        return found

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 
-from libs.bus import Bus, Endpoint
+from libs.bus import Bus, CallerEndpoint, Endpoint
 from libs.contracts import names
 from libs.contracts.base import now as utc_now
 from libs.contracts.remediation import (
@@ -30,6 +30,8 @@ from libs.contracts.remediation import (
     ApproveRequest,
     BreakerResetRequest,
     CancelRequest,
+    LabelRequest,
+    PersonRepairRequest,
     RemediationState,
     RepairRequest,
 )
@@ -111,9 +113,18 @@ class Remediator:
                 Endpoint(
                     "request",
                     names.API_REMEDIATION_REQUEST,
+                    PersonRepairRequest,
+                    self.api.request_by_person,
+                ),
+                CallerEndpoint(
+                    "external",
+                    names.API_REMEDIATION_EXTERNAL,
                     RepairRequest,
                     self.api.request_repair,
                     concurrency=16,
+                ),
+                CallerEndpoint(
+                    "label", names.API_NODE_LABEL, LabelRequest, self.api.label_node, concurrency=16
                 ),
                 Endpoint(
                     "breaker-reset",

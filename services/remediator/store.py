@@ -28,6 +28,7 @@ from libs.contracts.remediation import (
     Breaker,
     Cordon,
     Ladder,
+    NodeLabels,
     Policy,
     Recommendation,
     Remediation,
@@ -76,6 +77,7 @@ class Store:
         self.cordon_bucket = bus.bucket(names.BUCKET_CORDONS, Cordon)
         self.slot_bucket = bus.bucket(names.BUCKET_REPAIR_SLOTS, RepairSlots)
         self.node_bucket = bus.bucket(names.BUCKET_NODES, NodeRecord)
+        self.label_bucket = bus.bucket(names.BUCKET_NODE_LABELS, NodeLabels)  # read on request
         self.health_bucket = bus.bucket(names.BUCKET_HEALTH, NodeHealth)
         self.lease_bucket = bus.bucket(names.BUCKET_LEASES, Lease)
         self.alerts: View[Alert] = View()

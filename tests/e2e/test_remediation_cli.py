@@ -22,6 +22,7 @@ from libs.bus.server import free_port
 from tests.e2e.daemon_logs import DaemonLogs
 
 pytestmark = pytest.mark.slow
+FINAL = ("Done", "Failed", "Cancelled")
 
 REPO = Path(__file__).resolve().parents[2]
 NODUS = str(Path(sys.executable).parent / "nodus")
@@ -32,6 +33,12 @@ machines:
      accelerators: {count: 2, backend: cuda, model: H100}}
   - {name: m-b, provider: aws, region: us-east-1, regionClass: us, offering: vm,
      address: 127.0.3.2, pool: pool-b, cluster: c1,
+     accelerators: {count: 2, backend: cuda, model: H100}}
+  - {name: m-c, provider: aws, region: us-east-1, regionClass: us, offering: vm,
+     address: 127.0.3.3, pool: pool-c, cluster: c2,
+     accelerators: {count: 2, backend: cuda, model: H100}}
+  - {name: m-d, provider: aws, region: us-east-1, regionClass: us, offering: vm,
+     address: 127.0.3.4, pool: pool-d, cluster: c2,
      accelerators: {count: 2, backend: cuda, model: H100}}
 """
 
@@ -63,14 +70,14 @@ def until(check: Callable[[], Any], timeout: float = 60.0) -> Any:
 
 
 @contextlib.contextmanager
-def nodus_up(state: Path, fleet_text: str) -> Iterator[str]:
+def nodus_up(state: Path, fleet_text: str, *flags: str) -> Iterator[str]:
     """`nodus up` on a fleet of its own in the background, as an operator runs it; its URL
     once every agent registered; stopped with Ctrl-C afterwards."""
     fleet = state / "fleet.yaml"
     fleet.write_text(fleet_text)
     up = subprocess.Popen(
         [NODUS, "up", "--nats-port", str(free_port()), "--state-dir", str(state),
-         "--fleet", str(fleet)],
+         "--fleet", str(fleet), *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
     )  # fmt: skip
     assert up.stdout is not None
@@ -93,7 +100,7 @@ def system(
 ) -> Iterator[tuple[str, Path]]:
     state = tmp_path_factory.mktemp("state")
     daemon_logs.watch(state / "logs")
-    with nodus_up(state, FLEET) as url:
+    with nodus_up(state, FLEET, "--detector", "npd") as url:
         yield url, state
 
 
@@ -168,3 +175,45 @@ def test_policy_external_requests_and_the_breaker(system: tuple[str, Path]) -> N
     assert "created" in first and "exists (same request)" in again
     breakers = nodus(url, state, "breaker", "reset", "c1", "--as", "bob").stdout
     assert "closed by bob" in breakers
+
+
+def test_node_labels_ask_a_repair_as_the_detector_the_credentials_name(
+    system: tuple[str, Path],
+) -> None:
+    url, state = system
+    npd = ["--credentials", str(state / "detectors" / "npd.nk")]
+
+    def m_c_idle() -> bool:
+        rems = json.loads(nodus(url, state, "get", "remediations", "-o", "json").stdout)
+        return not [r for r in rems if r["node"] == "m-c" and r["state"] not in FINAL]
+
+    until(m_c_idle)
+    asked = [
+        "label", "node", "m-c", "repair.nodus.io/action=reboot",
+        "repair.nodus.io/request-id=npd-7", "repair.nodus.io/evidence=GPU 0: XID 48 DBE", *npd,
+    ]  # fmt: skip
+    first = nodus(url, state, *asked).stdout
+    assert "labeled by npd" in first and "created" in first and "external:npd" in first
+    again = nodus(url, state, *asked).stdout
+    assert "exists (same request)" in again
+    rid = first.split("remediation/", 1)[1].split()[0]
+    described = nodus(url, state, "describe", "remediation", rid).stdout
+    assert "external:npd (detector npd, request npd-7, by node label)" in described
+    listed = nodus(url, state, "label", "node", "m-c").stdout  # the operator reads them
+    assert "repair.nodus.io/request-id" in listed and "npd" in listed
+    assert rid in listed
+    refused = nodus(
+        url, state, "label", "node", "m-c", "repair.nodus.io/action=delete",
+        "repair.nodus.io/request-id=npd-8", "--overwrite", *npd, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 1 and "person's decision" in refused.stderr
+    other = nodus(
+        url, state, "label", "node", "m-c", "team=a", "--detector", "burn", *npd, check=False
+    )
+    assert other.returncode == 1 and "cannot speak as burn" in other.stderr
+    until(m_c_idle)
+    person = nodus(
+        url, state, "repair", "request", "--node", "m-c", "--action", "reboot", "--as", "carol",
+        "--line", "dcgmi diag: GPU 0 FAILED",
+    ).stdout  # fmt: skip
+    assert "created" in person and "requested by carol" in person

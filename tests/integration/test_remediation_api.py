@@ -30,6 +30,8 @@ from tests.remediation_support import Fleet
 
 # -- R8: external detectors ---------------------------------------------------------------------
 
+GPU_BURN = names.caller_subject(names.API_REMEDIATION_EXTERNAL, "gpu-burn")
+
 
 def external(
     node: str, request_id: str = "req-1", action: Action = Action.REBOOT, **kw: object
@@ -60,7 +62,7 @@ async def test_external_requests(fleet: Fleet) -> None:
     bus = fleet.bus
 
     async def ask(request: RepairRequest) -> RemediationReply:
-        return await bus.request(names.API_REMEDIATION_REQUEST, request, RemediationReply)
+        return await bus.request(GPU_BURN, request, RemediationReply)
 
     first = await ask(external("gpu-a"))
     assert first.created and first.remediation.requester.kind == "external"
@@ -96,6 +98,7 @@ async def test_external_requests(fleet: Fleet) -> None:
             ErrorCode.INVALID,
         ),
         (external("gpu-z", "r6"), ErrorCode.NOT_FOUND),
+        (external("gpu-b", "r9", detector="npd"), ErrorCode.INVALID),  # speaks as another
         (external("gpu-a", "r7"), ErrorCode.CONFLICT),  # gpu-a is being repaired
     ]:
         with pytest.raises(NodusError) as caught:
@@ -124,7 +127,7 @@ async def test_external_cap_and_capacity(fleet: Fleet) -> None:
         await leases.put(f"gpu-{i}", Lease(gang=f"o.j{i}", epoch=1, placer="p", created_time=now()))
 
     async def ask(request: RepairRequest) -> RemediationReply:
-        return await fleet.bus.request(names.API_REMEDIATION_REQUEST, request, RemediationReply)
+        return await fleet.bus.request(GPU_BURN, request, RemediationReply)
 
     await ask(external("gpu-0", "a"))
     await ask(external("gpu-1", "b"))
