@@ -9,8 +9,8 @@ of one provider region on one private network (127.0.2.x) and an L4 container + 
 another region class for the Relayed path. Jobs run one at a time and are deleted when they end.
 
 1. Probe wall time for N members (Private gangs; the command is `python -c pass`). The prober
-   measures every pair once in `rounds(N)` rounds (services/prober/schedule.py: N-1 rounds for
-   even N). Per pair: readiness (3 fresh connections each way, each a connect and a 1-byte
+   measures every pair once in `rounds(N)` rounds (services/prober/schedule.py: N/2 rounds,
+   each member sending one sample and receiving one). Per pair: readiness (3 fresh connections each way, each a connect and a 1-byte
    exchange: ~6 RTT), RTT (one connect and 21 pings: ~22 RTT), a throughput sample of
    `--sample-seconds` (plus its connect and the byte count back: ~2 RTT). The minimum a round
    allows is therefore sample + 30 x RTT (RTT: the slowest pair of the round, as measured), and

@@ -1,5 +1,6 @@
-"""Issue 13 as an operator tries it (R17): `nodus up` with three H100 VMs on one VPC, the
-policy automatic for reboots and power cycles, a 2-member Private gang running the example
+"""Issue 13 as an operator tries it (R17): `nodus up` with three H100 VMs on one VPC (or
+three container-only machines, Relayed), the policy automatic for reboots and power cycles, a
+2-member Private (or Relayed) gang running the example
 all-reduce with checkpoints, then `nodus fault inject MEMBER xid --xid 79` (a GPU that fell
 off the bus). The gang runs again in a new epoch on the healthy machines, resumes from its
 checkpoint and Succeeds verified; the old epoch was fenced first; the machine is power-cycled,
@@ -21,7 +22,7 @@ from tests.e2e.test_remediation_cli import nodus, nodus_up, until
 
 pytestmark = pytest.mark.slow
 
-FLEET = """
+PRIVATE_FLEET = """
 machines:
 """ + "".join(
     f"""  - {{name: h-{n}, provider: aws, region: us-east-1, regionClass: us, offering: vm,
@@ -31,27 +32,54 @@ machines:
 """
     for i, n in enumerate("abc", start=1)
 )
+# Container-only machines: no network device, no UDP; the gang goes through the relays.
+RELAYED_FLEET = """
+machines:
+""" + "".join(
+    f"""  - {{name: c-{n}, provider: vast, region: us-east-2, regionClass: us, offering: container,
+     address: 127.0.6.{i}, pool: pool-{n}, cluster: c1,
+     accelerators: {{count: 1, backend: cuda, model: L4}}}}
+"""
+    for i, n in enumerate("abc", start=1)
+)
 
 JOB = """
 apiVersion: nodus/v1
 kind: Job
-metadata: {name: heal, org: acme}
+metadata: {{name: heal, org: acme}}
 spec:
   command: [python3, examples/workloads/allreduce.py]
-  env: {ALLREDUCE_MIB: "1", ALLREDUCE_ITERS: "24", ALLREDUCE_STEP_SECONDS: "1"}
-  accelerators: {count: 8, backend: cuda, model: H100}
-  distributed: {members: 2, network: Colocated, transport: Direct}
+  env: {{ALLREDUCE_MIB: "1", ALLREDUCE_ITERS: "24", ALLREDUCE_STEP_SECONDS: "1"}}
+  image: {{libc: glibc}}
+  accelerators: {accelerators}
+  distributed: {{members: 2, network: {network}, transport: {transport}}}
 """
+PATHS = {
+    "private": (
+        PRIVATE_FLEET,
+        JOB.format(
+            accelerators="{count: 8, backend: cuda, model: H100}",
+            network="Colocated",
+            transport="Direct",
+        ),
+    ),
+    "relayed": (
+        RELAYED_FLEET,
+        JOB.format(accelerators="{count: 1, model: L4}", network="Regional", transport="Auto"),
+    ),
+}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=sorted(PATHS))
 def system(
-    tmp_path_factory: pytest.TempPathFactory, daemon_logs: DaemonLogs
-) -> Iterator[tuple[str, Path]]:
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    daemon_logs: DaemonLogs,
+) -> Iterator[tuple[str, Path, str]]:
     state = tmp_path_factory.mktemp("state")
     daemon_logs.watch(state / "logs")
-    with nodus_up(state, FLEET) as url:
-        yield url, state
+    with nodus_up(state, PATHS[request.param][0]) as url:
+        yield url, state, request.param
 
 
 def _job(url: str, state: Path) -> dict[str, Any]:
@@ -62,12 +90,12 @@ def _job(url: str, state: Path) -> dict[str, Any]:
 
 
 def test_a_gpu_off_the_bus_puts_the_gang_back_to_work_on_healthy_machines(
-    system: tuple[str, Path],
+    system: tuple[str, Path, str],
 ) -> None:
-    url, state = system
+    url, state, path = system
     nodus(url, state, "policy", "set", "--mode", "automatic", "--trust", "reboot,power-cycle")
     spec = state / "heal.yaml"
-    spec.write_text(JOB)
+    spec.write_text(PATHS[path][1])
     nodus(url, state, "apply", "-f", str(spec))
 
     def running(epoch: int) -> dict[str, Any] | None:
@@ -77,14 +105,14 @@ def test_a_gpu_off_the_bus_puts_the_gang_back_to_work_on_healthy_machines(
 
     first = until(lambda: running(1), timeout=90)
     members = [m["node"] for m in first["status"]["gang"]["members"]]
-    assert first["status"]["gang"]["transport"] == "private"
+    assert first["status"]["gang"]["transport"] == path
     time.sleep(4)  # a few steps done, and checkpointed
     victim = members[1]
     fault_time = time.monotonic()
     nodus(url, state, "fault", "inject", victim, "xid", "--xid", "79")
     second = until(lambda: running(2), timeout=120)
     back_to_work = time.monotonic() - fault_time
-    print(f"\nXid 79 to Running again in epoch 2: {back_to_work:.1f} s")
+    print(f"\n{path}: Xid 79 to Running again in epoch 2: {back_to_work:.1f} s")
     assert victim not in {m["node"] for m in second["status"]["gang"]["members"]}
     assert victim in second["status"]["avoid"]
 
