@@ -17,7 +17,7 @@ def test_quick_bench_completes_with_every_figure() -> None:
     probes = {p["members"]: p for p in result["probe"]}
     assert set(probes) == {2, 4}
     for members, probe in probes.items():
-        assert probe["rounds"] == members - 1
+        assert probe["rounds"] == members // 2
         assert probe["pairs"] == members * (members - 1) // 2
         assert len(probe["perRound"]) == probe["rounds"]
         assert probe["minimumSeconds"] >= probe["rounds"] * probe["sampleSeconds"]
