@@ -49,13 +49,15 @@ async def _wait_placed(client: Client, job: Job, timeout: float = 30.0) -> Job:
     return await asyncio.wait_for(wait(), timeout)
 
 
-async def run_demo(state_dir: Path | None = None, netns: bool = False) -> int:
+async def run_demo(
+    state_dir: Path | None = None, netns: bool = False, nats_cluster: int = 1
+) -> int:
     """The demo in a temporary state dir, or in `state_dir` (kept: its logs/, for tests);
     with `netns`, in the network-namespace lab when this machine has what it needs."""
     if state_dir is not None:
-        return await _run_demo(state_dir, netns)  # LocalSystem.start creates it
+        return await _run_demo(state_dir, netns, nats_cluster)  # LocalSystem.start creates it
     with tempfile.TemporaryDirectory(prefix="nodus-demo-") as state:
-        return await _run_demo(Path(state), netns)
+        return await _run_demo(Path(state), netns, nats_cluster)
 
 
 def lab_unavailable() -> str | None:
@@ -67,7 +69,7 @@ def lab_unavailable() -> str | None:
     return reason
 
 
-async def _run_demo(state: Path, netns: bool) -> int:
+async def _run_demo(state: Path, netns: bool, nats_cluster: int) -> int:
     skipped = (
         lab_unavailable()
         if netns
@@ -81,6 +83,7 @@ async def _run_demo(state: Path, netns: bool) -> int:
             heartbeat_seconds=1.0,
             probe_seconds=2.0,
             netns=True,
+            nats_cluster=nats_cluster,
         )
         say(
             "== nodus up --netns: every machine of examples/fleet-netns.yaml in a network "
@@ -89,7 +92,11 @@ async def _run_demo(state: Path, netns: bool) -> int:
         )
     else:
         system = LocalSystem(
-            state_dir=state, nats_port=free_port(), heartbeat_seconds=1.0, probe_seconds=2.0
+            state_dir=state,
+            nats_port=0 if nats_cluster > 1 else free_port(),
+            heartbeat_seconds=1.0,
+            probe_seconds=2.0,
+            nats_cluster=nats_cluster,
         )
         say(
             "== nodus up: nats-server (JetStream), placer, prober, two meshed relays, "

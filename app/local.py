@@ -25,7 +25,7 @@ from app.netlab import CONTROL_ADDRESS, NetLab, in_namespace, plan
 from libs.bus import Bus
 from libs.bus.auth import AGENT, DETECTOR, RELAY, SERVICE
 from libs.bus.connection import CREDENTIAL_VARIABLES
-from libs.bus.server import NatsServer, free_port
+from libs.bus.server import NatsCluster, NatsServer, free_port
 from libs.contracts import names
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Fleet, NodeHealth, NodeRecord, load_fleet
@@ -66,10 +66,13 @@ class LocalSystem:
     prometheus_port: int = 0
     metrics_ports: dict[str, int] = field(default_factory=dict)
     netns: bool = False
+    # Nats-servers: 1, or a cluster of 3 or more (`--nats-cluster 3`) whose streams and buckets
+    # keep 3 copies, so the bus outlives any one server; ports nats_port, nats_port+1, ...
+    nats_cluster: int = 1
     # External detectors (R8), each a bus user that may only ask repairs and label nodes as
     # itself; seeds at STATE_DIR/detectors/NAME.nk.
     detectors: list[str] = field(default_factory=list)
-    nats: NatsServer | None = None
+    nats: NatsServer | NatsCluster | None = None
     children: list[Child] = field(default_factory=list)
     fleet: Fleet | None = None
     lab: NetLab | None = None
@@ -113,6 +116,21 @@ class LocalSystem:
         if name.startswith("relay-"):
             return self.nats.user(name, RELAY, name)
         return self.nats.user(name, SERVICE)
+
+    def _nats_ports(self) -> list[int]:
+        if self.nats_cluster > 1:
+            return [self.nats_port + i if self.nats_port else 0 for i in range(self.nats_cluster)]
+        return [self.nats_port]
+
+    def _start_nats(
+        self, ports: list[int], host: str, launcher: list[str] | None
+    ) -> NatsServer | NatsCluster:
+        store = self.state_dir / "nats"
+        if self.nats_cluster > 1:
+            fixed = ports if all(ports) else None
+            cluster = NatsCluster(store, self.nats_cluster, host, fixed, launcher).start()
+            return cluster
+        return NatsServer(store, ports[0], host=host, launcher=launcher).start()
 
     def detector_credentials(self, detector: str) -> str:
         """An external detector's seed (R8): it asks repairs and labels nodes only as itself."""
@@ -285,26 +303,31 @@ class LocalSystem:
     async def start(self, timeout: float = 60.0) -> None:
         self.fleet = load_fleet(self.fleet_path)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        if not self.netns and self.nats_port and _port_taken(self.nats_port):
-            raise NodusError(
-                ErrorCode.INVALID,
-                f"port {self.nats_port} is taken (another `nodus up`?); pass --nats-port N",
-            )
+        ports = self._nats_ports()
+        if not self.netns:
+            for port in ports:
+                if port and _port_taken(port):
+                    raise NodusError(
+                        ErrorCode.INVALID,
+                        f"port {port} is taken (another `nodus up`?); pass --nats-port N",
+                    )
         if self.netns:
             self.lab = NetLab(plan(self.fleet))
             self.lab.create()
             try:
-                self.nats = NatsServer(
-                    self.state_dir / "nats",
-                    self.nats_port or 4222,
-                    host=str(CONTROL_ADDRESS),
-                    launcher=in_namespace(self.lab.topology.control, []),
-                ).start()
+                self.nats = self._start_nats(
+                    [p or 4222 + i for i, p in enumerate(ports)],
+                    str(CONTROL_ADDRESS),
+                    in_namespace(self.lab.topology.control, []),
+                )
             except BaseException:
                 self.lab.destroy()
                 raise
         else:
-            self.nats = NatsServer(self.state_dir / "nats", self.nats_port).start()
+            self.nats = self._start_nats(ports, "127.0.0.1", None)
+        copies = self.nats.replicas if isinstance(self.nats, NatsCluster) else None
+        if copies is not None:  # the daemons that create streams and buckets: 3 copies
+            self.extra_env.setdefault("NODUS_BUS_REPLICAS", str(copies))
         for detector in self.detectors:
             self.detector_credentials(detector)
         # The placer creates the journal; agents wait for it rather than racing to create it.
@@ -314,6 +337,7 @@ class LocalSystem:
             credentials=self.nats.credentials,
             buckets=names.ALL_BUCKETS,
             streams=True,
+            replicas=copies,
         )
         try:
             for index in range(self.placers):

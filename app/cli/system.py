@@ -14,11 +14,23 @@ import msgspec
 from app.cli.common import Command, run_async
 
 
+def _nats_cluster_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N nats-servers clustered with JetStream (3 or more; streams and buckets keep "
+        "3 copies) instead of one: the bus outlives the loss of any one server",
+    )
+
+
 def _up_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet", type=Path, help="fleet file (default: examples/fleet.yaml)")
     parser.add_argument("--nats-port", type=int, default=4222, help="NATS port (default 4222)")
     parser.add_argument("--state-dir", type=Path, default=Path(".nodus"), help="default .nodus")
     parser.add_argument("--placers", type=int, default=1, help="placer replicas (default 1)")
+    _nats_cluster_flag(parser)
     parser.add_argument(
         "--netns",
         action="store_true",
@@ -53,6 +65,7 @@ async def _up(args: argparse.Namespace) -> int:
         netns=args.netns,
         prometheus=args.prometheus,
         detectors=args.detector,
+        nats_cluster=args.nats_cluster,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -103,12 +116,13 @@ def _demo_flags(parser: argparse.ArgumentParser) -> None:
         help="every machine in a network namespace (root; examples/fleet-netns.yaml), so the "
         "Direct gang runs over nodus0 too",
     )
+    _nats_cluster_flag(parser)
 
 
 async def _demo(args: argparse.Namespace) -> int:
     from app.demo import run_demo
 
-    return await run_demo(args.state_dir, args.netns)
+    return await run_demo(args.state_dir, args.netns, args.nats_cluster)
 
 
 def _schema_flags(parser: argparse.ArgumentParser) -> None:

@@ -18,9 +18,11 @@ from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
+from nats.nuid import NUID
 
 from libs.bus.connection import connect, jetstream, refusal_of
 from libs.bus.kv import Bucket, named_watches
+from libs.bus.retry import retrying
 from libs.contracts.base import decode, encode
 from libs.contracts.errors import ErrorCode, ErrorReply, NodusError
 from libs.contracts.names import EVENTS_STREAM, EVENTS_SUBJECTS, USAGE_STREAM, USAGE_SUBJECTS
@@ -57,6 +59,7 @@ class Bus:
         self.js = js
         self._buckets: dict[str, Any] = {}
         self._services: list[Service] = []
+        self.replicas = replicas()  # copies of what it creates
 
     @classmethod
     async def open(
@@ -67,10 +70,14 @@ class Bus:
         buckets: list[str] | None = None,
         streams: bool = False,
         inbox_prefix: str | None = None,
+        replicas: int | None = None,
     ) -> Bus:
-        """Connect and make sure the journal is there (C7): refuse to start without it."""
+        """Connect and make sure the journal is there (C7): refuse to start without it.
+        Streams and buckets it creates keep `replicas` copies (default NODUS_BUS_REPLICAS)."""
         nc = await connect(url, name=name, credentials=credentials, inbox_prefix=inbox_prefix)
         bus = cls(nc, jetstream(nc))
+        if replicas is not None:
+            bus.replicas = replicas
         try:
             if streams:
                 await bus.ensure_stream(EVENTS_STREAM, EVENTS_SUBJECTS)
@@ -93,7 +100,7 @@ class Bus:
                         subjects=subjects,
                         storage=StorageType.FILE,
                         duplicate_window=120.0,
-                        num_replicas=replicas(),
+                        num_replicas=self.replicas,
                     )
                 )
         except NodusError:
@@ -115,7 +122,7 @@ class Bus:
                             # Reads by key name the key in the API subject: NATS
                             # permissions can then confine a reader to its keys (S1).
                             direct=True,
-                            replicas=replicas(),
+                            replicas=self.replicas,
                         )
                     )
                 except nats.js.errors.BadRequestError:
@@ -217,9 +224,13 @@ class Bus:
     async def publish(
         self, subject: str, body: msgspec.Struct, dedup_id: str | None = None
     ) -> None:
-        """Publish into a stream; `dedup_id` makes a retry land once."""
-        headers = {"Nats-Msg-Id": dedup_id} if dedup_id else None
-        await self.js.publish(subject, encode(body), headers=headers)
+        """Publish into a stream, once: a retry after a lost answer carries the same
+        `Nats-Msg-Id` (`dedup_id`, or one made here), which the stream deduplicates."""
+        headers = {"Nats-Msg-Id": dedup_id or NUID().next().decode()}
+        data = encode(body)
+        await retrying(
+            lambda: self.js.publish(subject, data, headers=headers), f"publish {subject}", self.nc
+        )
 
     async def serve(
         self,

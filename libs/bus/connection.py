@@ -73,6 +73,7 @@ async def connect(
         if client and "permissions violation" in str(error).lower():
             _REFUSED.setdefault(client[0], []).append(str(error))
             del _REFUSED[client[0]][:-10]
+            _REFUSALS[client[0]] = _REFUSALS.get(client[0], 0) + 1
             log.warning("bus error: %s", error)
         elif client:  # before the first connect, the caller gets one clear error instead
             log.warning("bus error: %s", error)
@@ -138,6 +139,12 @@ async def connect(
 # The server's last permission refusals per connection: a refused publish is otherwise only
 # a request that times out.
 _REFUSED: weakref.WeakKeyDictionary[Client, list[str]] = weakref.WeakKeyDictionary()
+_REFUSALS: weakref.WeakKeyDictionary[Client, int] = weakref.WeakKeyDictionary()
+
+
+def refusal_count(nc: Client) -> int:
+    """How many publishes the server refused this connection (a refused act is no outage)."""
+    return _REFUSALS.get(nc, 0)
 
 
 def refusal_of(nc: Client, subject: str) -> str | None:

@@ -16,6 +16,7 @@ from nats.js.kv import KeyValue
 from nats.nuid import NUID
 from prometheus_client import Counter
 
+from libs.bus.retry import retrying
 from libs.contracts.base import decode, encode
 from libs.contracts.errors import ErrorCode, NodusError
 
@@ -51,7 +52,9 @@ class _NamedConsumers:
     async def subscribe(self, subject: str, **options: Any) -> Any:
         options["config"] = ConsumerConfig(name=_consumer_name())
         subscription = await self._js.subscribe(subject, **options)
-        jsi = getattr(subscription, "_jsi", None)
+        # nats-py keeps an ordered consumer's state on the inner subscription.
+        inner = getattr(subscription, "_sub", subscription)
+        jsi = getattr(inner, "_jsi", None)
         if jsi is not None and hasattr(jsi, "recreate_consumer"):
             recreate = jsi.recreate_consumer
 
@@ -98,12 +101,13 @@ class Bucket(Generic[T]):
 
     def __init__(self, kv: KeyValue, kind: type[T], name: str) -> None:
         self._kv = kv
+        self._nc: Any = kv._js._nc  # its connection: a refused publish is not retried
         self.kind = kind
         self.name = name
 
     async def get(self, key: str) -> Versioned[T] | None:
         try:
-            entry = await self._direct_get(key)
+            entry = await retrying(lambda: self._direct_get(key), f"get {self.name}", self._nc)
         except KeyNotFoundError:
             return None
         if entry.value is None or entry.operation in (KV_DEL, KV_PURGE):
@@ -120,34 +124,79 @@ class Bucket(Generic[T]):
                 await asyncio.sleep(pause)
         return await self._kv.get(key)
 
+    async def _landed(self, key: str, data: bytes) -> int | None:
+        """After a write whose answer was lost: its revision if the key holds what it wrote."""
+        try:
+            entry = await retrying(lambda: self._direct_get(key), f"get {self.name}", self._nc)
+        except KeyNotFoundError:
+            return None
+        if entry.operation in (KV_DEL, KV_PURGE) or entry.value != data:
+            return None
+        return int(entry.revision or 0)
+
     async def put(self, key: str, value: T) -> int:
-        return int(await self._kv.put(key, encode(value)))
+        data = encode(value)
+        return int(await retrying(lambda: self._kv.put(key, data), f"put {self.name}", self._nc))
 
     async def create(self, key: str, value: T) -> int | None:
         """Write only if the key holds nothing; None when somebody else holds it."""
-        try:
-            return int(await self._kv.create(key, encode(value)))
-        except KeyWrongLastSequenceError:
-            return None
+        return await self._compare_and_set(key, encode(value), None, "create")
 
     async def update(self, key: str, value: T, revision: int) -> int | None:
         """Compare-and-set: write only if the key is still at `revision`; None if it moved on."""
+        return await self._compare_and_set(key, encode(value), revision, "update")
+
+    async def _compare_and_set(
+        self, key: str, data: bytes, revision: int | None, what: str
+    ) -> int | None:
+        """A create (revision None) or an update, exactly once: when an answer is lost and
+        the retry finds the key moved, it moved to this write if it holds these bytes."""
+        retried = False
+
+        def note() -> None:
+            nonlocal retried
+            retried = True
+
+        async def write() -> int:
+            if revision is None:
+                return int(await self._kv.create(key, data))
+            return int(await self._kv.update(key, data, last=revision))
+
         try:
-            return int(await self._kv.update(key, encode(value), last=revision))
+            return await retrying(write, f"{what} {self.name}", self._nc, on_retry=note)
         except KeyWrongLastSequenceError:
-            return None
+            return await self._landed(key, data) if retried else None
 
     async def delete(self, key: str, revision: int | None = None) -> bool:
         """Delete (compare-and-set when `revision` is given); False if the key moved on."""
+        retried = False
+
+        def note() -> None:
+            nonlocal retried
+            retried = True
+
         try:
-            await self._kv.delete(key, last=revision)
+            await retrying(
+                lambda: self._kv.delete(key, last=revision),
+                f"delete {self.name}",
+                self._nc,
+                on_retry=note,
+            )
         except KeyWrongLastSequenceError:
-            return False
+            return retried and await self._gone(key)
         except Exception as error:  # the server answers a CAS miss on delete with an APIError
             if getattr(error, "err_code", None) in (10071, 10164):
-                return False
+                return retried and await self._gone(key)
             raise
         return True
+
+    async def _gone(self, key: str) -> bool:
+        """After a delete whose answer was lost: is the key deleted (by it, or since)?"""
+        try:
+            entry = await retrying(lambda: self._direct_get(key), f"get {self.name}", self._nc)
+        except KeyNotFoundError:
+            return True
+        return entry.value is None or entry.operation in (KV_DEL, KV_PURGE)
 
     async def mutate(
         self, key: str, change: Callable[[T | None], T | None], attempts: int = 50

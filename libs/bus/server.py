@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from libs.bus.auth import OPERATOR
@@ -18,6 +19,8 @@ from libs.bus.credentials import BusUsers
 from libs.contracts.errors import ErrorCode, NodusError
 
 RELOADED = b"Reloaded server configuration"
+# "JetStream cluster new metadata leader: NAME", "Self is new JetStream cluster metadata leader"
+META_LEADER = (b"new metadata leader", b"new JetStream cluster metadata leader")
 
 
 def nats_server_binary() -> str:
@@ -41,6 +44,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterSeat:
+    """One server's place in a cluster: its name, its route port, the others' routes."""
+
+    server_name: str
+    port: int
+    routes: tuple[str, ...]  # host:port of every other server's route listener
+    name: str = "nodus"
+
+
 class NatsServer:
     """One nats-server process with JetStream on 127.0.0.1; stopped by `stop()` or at exit.
 
@@ -56,8 +69,10 @@ class NatsServer:
         launcher: list[str] | None = None,
         auth: bool = True,
         users: BusUsers | None = None,
+        cluster: ClusterSeat | None = None,
     ) -> None:
         self.store_dir = store_dir
+        self.cluster = cluster
         self.jetstream = jetstream
         self.users = (users or BusUsers(store_dir / "users")) if auth else None
         self.credentials: str | None = None
@@ -97,9 +112,18 @@ class NatsServer:
         return str(path)
 
     def _write_config(self) -> None:
-        """JSON is a NATS configuration too: only the users and their permissions here."""
-        assert self.users is not None
-        config = {"authorization": self.users.authorization()}
+        """JSON is a NATS configuration too: the users and their permissions, and the seat
+        in a cluster."""
+        config: dict[str, object] = {}
+        if self.users is not None:
+            config["authorization"] = self.users.authorization()
+        if self.cluster is not None:
+            config["server_name"] = self.cluster.server_name
+            config["cluster"] = {
+                "name": self.cluster.name,
+                "listen": f"{self.host}:{self.cluster.port}",
+                "routes": [f"nats-route://{route}" for route in self.cluster.routes],
+            }
         partial = self.config_path.with_suffix(".tmp")
         partial.write_text(json.dumps(config, indent=1) + "\n")
         partial.replace(self.config_path)
@@ -120,16 +144,20 @@ class NatsServer:
                 )
             time.sleep(0.02)
 
+    @property
+    def configured(self) -> bool:
+        return self.users is not None or self.cluster is not None
+
     def start(self, timeout: float = 10.0) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        if self.users is not None:
+        if self.configured:
             self._write_config()
         log = open(self.store_dir / "nats-server.log", "ab")
         self.process = subprocess.Popen(
             [
                 *self.launcher,
                 nats_server_binary(),
-                *(("-c", str(self.config_path)) if self.users is not None else ()),
+                *(("-c", str(self.config_path)) if self.configured else ()),
                 *("-a", self.host, "-p", str(self.port)),
                 *(("-js", "-sd", str(self.store_dir)) if self.jetstream else ()),
             ],
@@ -169,3 +197,100 @@ class NatsServer:
         if self.process and self.process.poll() is None:
             os.killpg(self.process.pid, 9)
             self.process.wait()
+
+
+class NatsCluster:
+    """`size` nats-servers of the wheel clustered with JetStream on one host (`nodus up
+    --nats-cluster 3`, the chaos tests): one set of users for all, `url` lists every server,
+    and any one may be killed and started again while the others carry the bus. Clients
+    create streams and buckets with `replicas` copies (NODUS_BUS_REPLICAS)."""
+
+    def __init__(
+        self,
+        store_dir: Path,
+        size: int = 3,
+        host: str = "127.0.0.1",
+        ports: list[int] | None = None,
+        launcher: list[str] | None = None,
+    ) -> None:
+        if size < 3:
+            raise NodusError(ErrorCode.INVALID, f"a NATS cluster has 3 or more servers, not {size}")
+        self.store_dir = store_dir
+        self.users = BusUsers(store_dir / "users")
+        client_ports = ports or [free_port(host) for _ in range(size)]
+        # Given ports: each route listener 2000 above its client port (4222 -> 6222, as NATS).
+        route_ports = (
+            [p + 2000 for p in client_ports] if ports else [free_port(host) for _ in client_ports]
+        )
+        self.servers: list[NatsServer] = []
+        for index in range(size):
+            others = tuple(f"{host}:{p}" for i, p in enumerate(route_ports) if i != index)
+            self.servers.append(
+                NatsServer(
+                    store_dir / f"n{index}",
+                    client_ports[index],
+                    host=host,
+                    launcher=launcher,
+                    users=self.users,
+                    cluster=ClusterSeat(f"n{index}", route_ports[index], others),
+                )
+            )
+        self.credentials = self.servers[0].credentials
+        self.replicas = min(size, 3)
+
+    @property
+    def url(self) -> str:
+        return ",".join(server.url for server in self.servers)
+
+    def user(
+        self, name: str, role: str, node: str | None = None, seed_file: Path | None = None
+    ) -> str:
+        """As `NatsServer.user`, admitted by every running server."""
+        known = {i.name for i in self.users.identities()}
+        path = self.users.ensure(name, role, node, seed_file)
+        if name not in known:
+            for server in self.servers:
+                if server.process is not None and server.process.poll() is None:
+                    server._reload()
+                else:
+                    server._write_config()  # read when it starts again
+        return str(path)
+
+    def start(self, timeout: float = 30.0) -> NatsCluster:
+        logs = [server.store_dir / "nats-server.log" for server in self.servers]
+        offsets = [path.stat().st_size if path.exists() else 0 for path in logs]
+        for server in self.servers:
+            server.start(timeout)
+        self._wait_for_leader(offsets, timeout)
+        return self
+
+    def _wait_for_leader(self, offsets: list[int], timeout: float) -> None:
+        """Until every server logged, after `offsets`, that it knows JetStream's metadata
+        leader (before that, making a stream or bucket fails)."""
+        deadline = time.monotonic() + timeout
+        for server, offset in zip(self.servers, offsets, strict=True):
+            log_path = server.store_dir / "nats-server.log"
+            while not any(m in log_path.read_bytes()[offset:] for m in META_LEADER):
+                if server.process is None or server.process.poll() is not None:
+                    break
+                if time.monotonic() > deadline:
+                    raise NodusError(
+                        ErrorCode.JOURNAL_UNAVAILABLE,
+                        f"the NATS cluster elected no JetStream leader within {timeout}s; "
+                        f"see {log_path}",
+                    )
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def kill(self, index: int) -> None:
+        """SIGKILL one server: the others keep the bus (the chaos tests)."""
+        self.servers[index].kill()
+
+    def restart(self, index: int, timeout: float = 10.0) -> None:
+        """Start a killed or stopped server again, on its ports and its store."""
+        server = self.servers[index]
+        server.stop()
+        server.start(timeout)

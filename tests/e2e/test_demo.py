@@ -42,6 +42,30 @@ def test_demo_places_one_gang_per_path_runs_the_workload_and_shows_refusals(
     assert '"path":"derp:' in out and "Succeeded" in out
 
 
+def test_demo_runs_on_a_three_server_nats_cluster(tmp_path: Path, daemon_logs: DaemonLogs) -> None:
+    """`nodus demo --nats-cluster 3`: the same jobs on three clustered nats-servers whose
+    streams and buckets keep three copies."""
+    nodus = str(Path(sys.executable).parent / "nodus")
+    state = tmp_path / "state"
+    daemon_logs.watch(state / "logs")
+    result = subprocess.run(
+        [nodus, "demo", "--nats-cluster", "3", "--state-dir", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    url = next(line for line in out.splitlines() if line.startswith("NODUS_NATS_URL="))
+    assert url.count("nats://") == 3
+    assert sorted(p.name for p in (state / "nats").iterdir() if p.name.startswith("n")) == [
+        "n0",
+        "n1",
+        "n2",
+    ]
+    assert "the workload ran on the private, the relayed gang, verified on every rank" in out
+
+
 @pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
 def test_demo_in_the_lab_runs_the_direct_gang_over_nodus0_beside_private_and_relayed(
     tmp_path: Path, daemon_logs: DaemonLogs

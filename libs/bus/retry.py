@@ -1,0 +1,91 @@
+"""Riding out the loss of one NATS server (issue 14): which failures of a JetStream call are
+transient (the connection moves to another server, a stream elects a new leader), and a
+bounded retry around a call that is safe to repeat.
+
+A write whose answer was lost may have landed. Callers make each retry safe: a put writes the
+same value again, a stream publish carries a `Nats-Msg-Id` the stream deduplicates, and a
+compare-and-set that finds the key moved checks whether it moved to its own value
+(`libs.bus.kv`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from prometheus_client import Counter
+
+from libs.bus.connection import refusal_count
+
+log = logging.getLogger("nodus.bus")
+
+T = TypeVar("T")
+
+# Long enough for a reconnect (0.5 s a try) and a stream leader election (a few seconds).
+RETRY_SECONDS = 20.0
+PAUSES = (0.05, 0.1, 0.2, 0.5, 1.0)  # then 1 s until the deadline
+
+# JetStream's "temporarily unavailable" and "no leader" answers.
+_TRANSIENT_API_CODES = {10008, 10023}
+
+RETRIES = Counter(
+    "nodus_bus_retries_total",
+    "JetStream calls tried again after a transient failure (a server lost, a leader elected)",
+    ["what"],
+)
+
+
+def transient(error: BaseException) -> bool:
+    """Would the same call, made again in a moment, likely succeed?"""
+    if isinstance(
+        error,
+        nats.errors.TimeoutError
+        | nats.errors.NoRespondersError
+        | nats.errors.ConnectionReconnectingError
+        | nats.errors.StaleConnectionError
+        | nats.js.errors.ServiceUnavailableError
+        | nats.js.errors.NoStreamResponseError
+        | TimeoutError,
+    ):
+        return True
+    if isinstance(error, nats.js.errors.APIError):  # some subclasses lack the fields
+        code = getattr(error, "err_code", None) or 0
+        return code in _TRANSIENT_API_CODES or getattr(error, "code", None) == 503
+    return False
+
+
+async def retrying(
+    call: Callable[[], Awaitable[T]],
+    what: str,
+    nc: Client | None = None,
+    deadline_seconds: float = RETRY_SECONDS,
+    on_retry: Callable[[], None] | None = None,
+) -> T:
+    """`call()` until it succeeds, fails for good, or the deadline passes (the last error is
+    raised). A timeout after the server refused one of `nc`'s publishes is a refusal (S1), not
+    an outage: raised at once. `on_retry` runs before each retry: the caller notes its first
+    try may have landed."""
+    deadline = time.monotonic() + deadline_seconds
+    refused = refusal_count(nc) if nc is not None else 0
+    attempt = 0
+    while True:
+        try:
+            return await call()
+        except Exception as error:
+            if not transient(error) or time.monotonic() >= deadline:
+                raise
+            if nc is not None and refusal_count(nc) > refused:
+                raise
+            pause = PAUSES[attempt] if attempt < len(PAUSES) else PAUSES[-1]
+            attempt += 1
+            RETRIES.labels(what).inc()
+            if attempt == 1:
+                log.info("%s: %r; trying again (the bus is failing over)", what, error)
+            await asyncio.sleep(pause)
+            if on_retry is not None:
+                on_retry()
