@@ -8,7 +8,7 @@ TORCH_STAMP := $(VENV)/.installed-torch
 # e.g. `make test TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
 TORCH_INDEX ?=
 
-.PHONY: demo test test-fast lint bench clean system-deps netshim dashboards
+.PHONY: demo test test-fast lint bench chaos clean system-deps netshim dashboards
 
 system-deps:
 	./deploy/dev/system-deps.sh
@@ -49,6 +49,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m tests.bench.placement
+
+# The chaos run (tests/chaos/harness.py) with 10 random seeds; `make test` runs one fixed seed.
+chaos: system-deps $(STAMP) netshim
+	$(BIN)/python -m tests.chaos.harness $(if $(SEEDS),$(foreach s,$(SEEDS),--seed $(s)))
 
 clean:
 	rm -rf $(VENV) .nodus .pytest_cache .mypy_cache .ruff_cache

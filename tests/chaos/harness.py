@@ -1,0 +1,458 @@
+"""A bounded, seeded chaos run (issue 14), Jepsen-style: the real system (`LocalSystem` on a
+three-server NATS cluster, two placer replicas, the prober, the remediator and its monitor,
+two meshed relays, one agent per machine) runs jobs on the Private and Relayed paths while a
+repair is in flight, and a seeded loop SIGKILLs and restarts, in turn, a NATS server, a placer
+replica, the prober, the remediator, a relay and an agent, and pauses one process (SIGSTOP)
+for longer than its heartbeat. Afterwards it checks invariants, not timings:
+
+- every job applied is final, or Running with exactly one live epoch;
+- no machine is in two live epochs, and every lease names its job's live epoch;
+- every epoch seen fenced stays fenced;
+- each fault made at most one remediation, and each remediation ran each step once (its
+  history never enters a state twice, its machine booted once per reboot);
+- the mesh-relay bytes billed equal what the relays metered, within 0.1 %;
+- every event of NODUS_EVENTS a client saw is in the stream afterwards.
+
+(The daemons' logs are checked by the test's fixtures: no error, no traceback.) For each
+fault it reports how long until the system was whole again: a KV write acknowledged and the
+next job placed after the process came back.
+
+    python -m tests.chaos.harness --seed 7 [--faults 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from app.local import LocalSystem
+from libs.bus import Bus
+from libs.bus.server import NatsCluster
+from libs.client.client import Client, parse_job
+from libs.contracts import names
+from libs.contracts.epochs import Epoch, Lease
+from libs.contracts.fleet import NodeHealth
+from libs.contracts.jobs import Job, Phase
+from libs.contracts.remediation import Action, Policy, Remediation
+from services.remediator import faults
+from tests.e2e.daemon_logs import DaemonLogs
+
+FINAL = (Phase.SUCCEEDED, Phase.FAILED)
+KINDS = ("nats", "placer", "prober", "remediator", "relay", "agent", "pause")
+HEARTBEAT_SECONDS = 1.0
+BILLING_TOLERANCE = 0.001
+GIB = float(1 << 30)
+
+
+def fleet() -> str:
+    """Four VMs on one VPC (Private gangs) and three container-only machines (Relayed)."""
+    rows = [
+        f"  - {{name: h-{i}, provider: aws, region: us-east-1, regionClass: us, offering: vm,\n"
+        f"     address: 127.0.8.{i + 1}, privateNetwork: use1-vpc, "
+        f"privateAddress: 127.0.9.{i + 1},\n"
+        f"     privateInterface: lo, pool: pool-h{i}, cluster: c1,\n"
+        f"     accelerators: {{count: 8, backend: cuda, model: H100}}}}\n"
+        for i in range(4)
+    ] + [
+        f"  - {{name: c-{i}, provider: vast, region: us-east-2, regionClass: us, "
+        f"offering: container,\n"
+        f"     address: 127.0.8.{i + 11}, pool: pool-c{i}, cluster: c2,\n"
+        f"     accelerators: {{count: 1, backend: cuda, model: L4}}}}\n"
+        for i in range(3)
+    ]
+    return "machines:\n" + "".join(rows)
+
+
+def job(index: int) -> Job:
+    relayed = index % 2 == 1
+    accelerators = "{count: 1, model: L4}" if relayed else "{count: 8, model: H100}"
+    network, transport = ("Regional", "Auto") if relayed else ("Colocated", "Direct")
+    return parse_job(
+        f"""
+apiVersion: nodus/v1
+kind: Job
+metadata: {{name: chaos-{index}, org: acme}}
+spec:
+  command: [python3, examples/workloads/allreduce.py]
+  env: {{ALLREDUCE_MIB: "1", ALLREDUCE_ITERS: "6", ALLREDUCE_STEP_SECONDS: "0.5"}}
+  image: {{libc: glibc}}
+  accelerators: {accelerators}
+  distributed: {{members: 2, network: {network}, transport: {transport}}}
+""",
+        f"chaos-{index}",
+    )
+
+
+@dataclass
+class FaultRecord:
+    kind: str
+    target: str
+    at: float  # seconds into the run
+    down_seconds: float
+    bus_whole_seconds: float | None = None  # a KV write acknowledged after the restore
+    next_placement_seconds: float | None = None  # a job placed after the restore
+
+
+@dataclass
+class Report:
+    seed: int
+    faults: list[FaultRecord] = field(default_factory=list)
+    jobs: dict[str, str] = field(default_factory=dict)  # name -> phase
+    violations: list[str] = field(default_factory=list)
+    events_seen: int = 0
+    remediations: int = 0
+    seconds: float = 0.0
+
+
+class Chaos:
+    def __init__(self, state: Path, seed: int, faults: int = len(KINDS)) -> None:
+        self.state = state
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.fault_count = faults
+        self.system: LocalSystem | None = None
+        self.client: Client | None = None
+        self.applied: list[str] = []
+        self.placements: list[float] = []  # when a client saw a job placed (monotonic)
+        self._placed: dict[str, datetime] = {}
+        self.events: dict[str, bytes] = {}  # Nats-Msg-Id -> data, as a client saw them
+        self.fenced_seen: set[str] = set()
+        self.report = Report(seed)
+        self.started = 0.0
+
+    # -- the run ---------------------------------------------------------------------------
+
+    async def run(self) -> Report:
+        self.started = time.monotonic()
+        self.state.mkdir(parents=True, exist_ok=True)
+        (self.state / "fleet.yaml").write_text(fleet())
+        system = self.system = LocalSystem(
+            fleet_path=self.state / "fleet.yaml",
+            state_dir=self.state,
+            nats_port=0,
+            nats_cluster=3,
+            placers=2,
+            heartbeat_seconds=HEARTBEAT_SECONDS,
+            probe_seconds=1.0,
+        )
+        await system.start()
+        try:
+            assert system.nats is not None
+            self.client = await Client.connect(system.url, system.nats.credentials)
+            observers = await self._observe()
+            policy = Policy(mode="Automatic", trusted_actions=[Action.REBOOT, Action.POWER_CYCLE])
+            await self._put_policy(policy)
+            # A repair in flight: a read-only root filesystem on a VPC machine.
+            faults.inject(system.machine_dir("h-3"), faults.Fault(kind="readonly-fs"))
+            workload = asyncio.create_task(self._apply_jobs())
+            kinds = list(KINDS)
+            self.rng.shuffle(kinds)
+            for kind in (kinds * 2)[: self.fault_count]:
+                await asyncio.sleep(self.rng.uniform(2.0, 4.0))
+                await self._fault(kind)
+            workload.cancel()
+            await self._settle()
+            await self._check()
+            for task in observers:
+                task.cancel()
+        finally:
+            if self.client is not None:
+                await self.client.close()
+            system.stop()
+        logs = DaemonLogs()
+        logs.watch(self.state / "logs")
+        self.report.violations += [f"log {finding}" for finding in logs.read_new()]
+        self.report.seconds = round(time.monotonic() - self.started, 1)
+        return self.report
+
+    async def _put_policy(self, policy: Policy) -> None:
+        assert self.client is not None
+        bus = self.client.bus
+        await bus.ensure_bucket(names.BUCKET_REMEDIATION_POLICY)
+        await bus.bucket(names.BUCKET_REMEDIATION_POLICY, Policy).put("default", policy)
+
+    async def _apply_jobs(self) -> None:
+        assert self.client is not None
+        index = 0
+        while True:
+            try:
+                await self.client.apply(job(index))
+                self.applied.append(f"chaos-{index}")
+                index += 1
+            except Exception as error:  # the bus or the placer may be down: try again
+                print(f"[chaos] apply chaos-{index}: {error}", file=sys.stderr)
+            await asyncio.sleep(4.0)
+
+    # -- faults ------------------------------------------------------------------------------
+
+    async def _fault(self, kind: str) -> None:
+        system = self.system
+        assert system is not None and isinstance(system.nats, NatsCluster)
+        down = self.rng.uniform(2.0, 5.0)
+        at = time.monotonic() - self.started
+        if kind == "nats":
+            index = self.rng.randrange(len(system.nats.servers))
+            target = f"nats-n{index}"
+            system.nats.kill(index)
+            await asyncio.sleep(down)
+            await asyncio.to_thread(system.nats.restart, index)
+        elif kind == "pause":
+            target = self.rng.choice(self._children())
+            pid = system.child(target).process.pid
+            down = max(down, HEARTBEAT_SECONDS * 4)  # longer than its heartbeat
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(down)
+            os.kill(pid, signal.SIGCONT)
+        else:
+            target = self._target(kind)
+            child = system.child(target)
+            os.killpg(child.process.pid, signal.SIGKILL)
+            child.process.wait()
+            await asyncio.sleep(down)
+            system.restart(target)
+        restored = time.monotonic()
+        record = FaultRecord(kind, target, round(at, 1), round(down, 1))
+        record.bus_whole_seconds = await self._bus_whole(restored)
+        record.next_placement_seconds = await self._next_placement(restored)
+        self.report.faults.append(record)
+        print(f"[chaos] {json.dumps(asdict(record))}", file=sys.stderr)
+
+    def _children(self) -> list[str]:
+        assert self.system is not None
+        return [c.name for c in self.system.children if c.process.poll() is None]
+
+    def _target(self, kind: str) -> str:
+        names_ = [n for n in self._children() if n.startswith(f"{kind}-")]
+        return self.rng.choice(sorted(names_))
+
+    async def _bus_whole(self, since: float, timeout: float = 60.0) -> float | None:
+        assert self.client is not None
+        probe = self.client.bus.bucket(names.BUCKET_HEALTH, NodeHealth)
+        deadline = since + timeout
+        while time.monotonic() < deadline:
+            try:
+                beat = NodeHealth(node="chaos-probe", healthy=True, heartbeat_time=_now())
+                await probe.put("chaos-probe", beat)
+                await probe.delete("chaos-probe")
+                return round(time.monotonic() - since, 2)
+            except Exception:
+                await asyncio.sleep(0.1)
+        return None
+
+    async def _next_placement(self, since: float, timeout: float = 60.0) -> float | None:
+        deadline = since + timeout
+        while time.monotonic() < deadline:
+            after = [t for t in self.placements if t > since]
+            if after:
+                return round(min(after) - since, 2)
+            await asyncio.sleep(0.2)
+        return None
+
+    # -- what a client sees ----------------------------------------------------------------
+
+    async def _observe(self) -> list[asyncio.Task[None]]:
+        assert self.client is not None
+        bus = self.client.bus
+
+        async def on_event(msg: Any) -> None:
+            ident = (msg.headers or {}).get("Nats-Msg-Id")
+            if ident:
+                self.events[ident] = msg.data
+
+        await bus.nc.subscribe("nodus.evt.>", cb=on_event)
+
+        client = self.client
+
+        async def epochs() -> None:
+            async for change in client.epochs.watch():
+                if change.value is not None and change.value.fenced:
+                    self.fenced_seen.add(change.key)
+
+        async def jobs() -> None:
+            async for change in client.jobs.watch():
+                placed = change.value.status.placed_time if change.value else None
+                if placed is not None and self._placed.get(change.key) != placed:
+                    self._placed[change.key] = placed
+                    self.placements.append(time.monotonic())
+
+        return [asyncio.create_task(epochs()), asyncio.create_task(jobs())]
+
+    async def _settle(self, timeout: float = 240.0) -> None:
+        """Every job applied ends (or the timeout passes); the repair finishes."""
+        assert self.client is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                jobs = {j.metadata.name: j for j in await self.client.list_jobs()}
+            except Exception:
+                await asyncio.sleep(1)
+                continue
+            if all(n in jobs and jobs[n].status.phase in FINAL for n in self.applied):
+                break
+            await asyncio.sleep(1)
+        await asyncio.sleep(3)  # usage the relays metered last reaches the stream
+
+    # -- invariants ------------------------------------------------------------------------
+
+    async def _check(self) -> None:
+        assert self.client is not None
+        bus = self.client.bus
+        bad = self.report.violations
+        jobs = {j.metadata.name: j for j in await self.client.list_jobs()}
+        epochs = await self.client.epochs.snapshot()
+        live: dict[str, list[Epoch]] = {}
+        for item in epochs.values():
+            if not item.value.fenced:
+                live.setdefault(item.value.gang, []).append(item.value)
+        for name in self.applied:
+            found = jobs.get(name)
+            if found is None:
+                bad.append(f"job {name} was applied and is gone")
+                continue
+            phase = found.status.phase
+            self.report.jobs[name] = phase.value
+            gang = found.key
+            if phase is Phase.RUNNING and len(live.get(gang, [])) != 1:
+                bad.append(f"{name} Running with {len(live.get(gang, []))} live epochs")
+            if phase not in (*FINAL, Phase.RUNNING):
+                bad.append(f"{name} is {phase.value} after the run settled")
+            if phase in FINAL and live.get(gang):
+                bad.append(f"{name} ended {phase.value} and epoch {live[gang][0].epoch} is live")
+        members: Counter[str] = Counter()
+        for gang_epochs in live.values():
+            for epoch in gang_epochs:
+                members.update(m.node for m in epoch.members)
+        bad += [f"machine {n} is in {c} live epochs" for n, c in members.items() if c > 1]
+        leases = await bus.bucket(names.BUCKET_LEASES, Lease).snapshot()
+        for node, lease in leases.items():
+            current = [e.epoch for e in live.get(lease.value.gang, [])]
+            if lease.value.epoch not in current:
+                bad.append(
+                    f"machine {node} is leased to {lease.value.gang} epoch {lease.value.epoch}, "
+                    f"not a live epoch (live: {current})"
+                )
+        for key in sorted(self.fenced_seen):
+            now_ = epochs.get(key)
+            if now_ is not None and not now_.value.fenced:
+                bad.append(f"epoch {key} was fenced and is live again")
+        await self._check_repairs(bus)
+        await self._check_billing(jobs)
+        await self._check_events(bus)
+
+    async def _check_repairs(self, bus: Bus) -> None:
+        bad = self.report.violations
+        await bus.ensure_bucket(names.BUCKET_REMEDIATIONS)
+        rems = await bus.bucket(names.BUCKET_REMEDIATIONS, Remediation).snapshot()
+        self.report.remediations = len(rems)
+        # Each fault may make one remediation: the read-only filesystem injected on h-3, and
+        # an agent killed or paused (its machine may look unreachable for a moment).
+        allowed: Counter[str] = Counter({"h-3": 1})
+        for fault in self.report.faults:
+            if fault.target.startswith("agent-"):
+                allowed[fault.target.removeprefix("agent-")] += 1
+        made: Counter[str] = Counter(r.value.node for r in rems.values())
+        bad += [
+            f"{node} had {count} remediations for {allowed[node]} faults"
+            for node, count in made.items()
+            if count > allowed[node]
+        ]
+        reboots: Counter[str] = Counter()
+        for rem in rems.values():
+            r = rem.value
+            states = [t.state for t in r.history]
+            repeated = [s.value for s, c in Counter(states).items() if c > 1]
+            if repeated:
+                bad.append(f"remediation {r.id} entered {', '.join(repeated)} twice")
+            if (
+                r.action in (Action.REBOOT, Action.POWER_CYCLE)
+                and r.issued_time is not None
+                and not r.issue_skipped
+            ):
+                reboots[r.node] += 1
+        for node, issued in reboots.items():
+            log = self.state / "logs" / f"agent-{node}.log"
+            booted = log.read_text().count("restarting: the machine reboots")
+            if booted != issued:
+                bad.append(f"{node} booted {booted} times for {issued} reboots issued")
+
+    async def _check_billing(self, jobs: dict[str, Job]) -> None:
+        assert self.client is not None
+        usage = await self.client.usage()
+        for name in self.applied:
+            found = jobs.get(name)
+            if found is None or found.status.billing is None:
+                continue
+            billed = found.status.billing.mesh_relay_gi_b * GIB
+            metered = float(usage.get(found.key, 0))
+            if metered == 0 and billed == 0:
+                continue
+            if abs(billed - metered) > BILLING_TOLERANCE * max(metered, billed):
+                self.report.violations.append(
+                    f"{name}: billed {billed:.0f} relay bytes, the relays metered {metered:.0f}"
+                )
+
+    async def _check_events(self, bus: Bus) -> None:
+        self.report.events_seen = len(self.events)
+        stored: set[str] = set()
+        sub = await bus.js.subscribe("nodus.evt.>", ordered_consumer=True)
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=2.0)
+                except Exception:
+                    break
+                ident = (msg.headers or {}).get("Nats-Msg-Id")
+                if ident:
+                    stored.add(ident)
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        missing = sorted(set(self.events) - stored)
+        if missing:
+            self.report.violations.append(
+                f"{len(missing)} events a client saw are not in {names.EVENTS_STREAM}: "
+                f"{missing[:5]}"
+            )
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--seed", type=int, action="append", help="repeatable; default: 10 random")
+    parser.add_argument("--faults", type=int, default=len(KINDS))
+    parser.add_argument(
+        "--keep", type=Path, help="keep each failed run's state (logs included) under DIR/SEED"
+    )
+    args = parser.parse_args(argv)
+    seeds = args.seed or [random.randrange(1 << 20) for _ in range(10)]
+    summary = []
+    for seed in seeds:
+        with tempfile.TemporaryDirectory(prefix=f"nodus-chaos-{seed}-") as state:
+            report = asyncio.run(Chaos(Path(state), seed, args.faults).run())
+            if report.violations and args.keep:
+                shutil.copytree(state, args.keep / str(seed), dirs_exist_ok=True)
+        print(json.dumps(asdict(report), indent=1), flush=True)
+        summary.append({"seed": seed, "violations": len(report.violations), "s": report.seconds})
+    print(json.dumps(summary))
+    return 1 if any(s["violations"] for s in summary) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
