@@ -93,6 +93,7 @@ class Agent:
         self.private: dict[str, PrivateMember] = {}  # joinkey key -> its private port rules
         self._wg_keys: dict[str, bytes] = {}  # "gang.epoch" -> this node's WireGuard key
         self._starting = TaskSet("agent dataplane start", log)
+        self._start_tasks: dict[str, asyncio.Task[None]] = {}  # joinkey key -> its start
         self._tasks: list[asyncio.Task[None]] = []
         state = state_dir or Path(tempfile.gettempdir()) / "nodus" / self.node
         self.gangs = GangWork(
@@ -213,6 +214,9 @@ class Agent:
     async def _join_epochs(self) -> None:
         async for change in self.joinkeys.watch(f"{self.node}.>"):
             if change.value is None:
+                starting = self._start_tasks.pop(change.key, None)
+                if starting is not None and not starting.done():
+                    starting.cancel()  # the epoch ended while its dataplane started
                 left = self.joined.pop(change.key, None)
                 if left is not None:  # the epoch is fenced or deleted: its ranks stop (G9)
                     await self.gangs.stop_epoch(left.gang, left.epoch)
@@ -232,7 +236,10 @@ class Agent:
                 try:
                     joined = await self._join(change.value)
                     self.joined[change.key] = joined
-                    self._starting.spawn(self._start_dataplane(change.key, joined))
+                    self._start_tasks[change.key] = self._starting.spawn(
+                        self._start_dataplane(change.key, joined),
+                        name=f"dataplane {joined.gang} epoch {joined.epoch}",
+                    )
                     JOINS.labels(self.node, "joined").inc()
                     log.info(
                         "joined %s epoch %d as rank %d", joined.gang, joined.epoch, joined.rank
@@ -310,6 +317,18 @@ class Agent:
         return record
 
     async def _start_dataplane(self, key: str, joined: JoinedEpoch) -> None:
+        """One epoch's dataplane. One that cannot start is this epoch's failure, not the
+        agent's: said, and left to the probe, which fails the epoch (G12)."""
+        try:
+            await self._start_epoch_dataplane(key, joined)
+        except (NodusError, OSError, TimeoutError) as error:
+            log.warning(
+                "%s epoch %d: the dataplane did not start: %s", joined.gang, joined.epoch, error
+            )
+        finally:
+            self._start_tasks.pop(key, None)
+
+    async def _start_epoch_dataplane(self, key: str, joined: JoinedEpoch) -> None:
         """On the Relayed path: the tunnel through the relays and the SOCKS5 entry (G14); on
         the Direct path: nodus0 and ICE with every peer (G7, G11); on the Private path: the
         port rules on the private network (G22)."""

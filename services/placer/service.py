@@ -409,6 +409,9 @@ class Placer:
                 # its machines are free again; then the next epoch is placed.
                 await self._teardown(key, old_epoch)
             exclusions.nodes |= set(current.value.status.avoid)
+            # Before planning: between a plan and its leases nothing may wait (the view
+            # reserves the machines, so this replica's other placements skip them).
+            epoch = await self._next_epoch(current.value)
             mesh = MeshIdentity()
             plan, shortfalls = self.planner.plan(
                 current.value, self.view.free, exclusions, mesh.mesh_id
@@ -420,7 +423,7 @@ class Placer:
                 await self._set_gang_ready(current, "False", "Unschedulable", message)
                 return
             try:
-                await self._commit(current, plan, mesh, exclusions)
+                await self._commit(current, plan, mesh, exclusions, epoch)
                 self._waiting.discard(key)
                 DECISIONS.labels("placed").inc()
                 return
@@ -430,7 +433,12 @@ class Placer:
         DECISIONS.labels("gave_up").inc()
 
     async def _commit(
-        self, current: Versioned[Job], plan: Plan, mesh: MeshIdentity, exclusions: Exclusions
+        self,
+        current: Versioned[Job],
+        plan: Plan,
+        mesh: MeshIdentity,
+        exclusions: Exclusions,
+        epoch: int,
     ) -> None:
         """Commit a plan in its order: the machines (and on Relayed the addresses), the epoch,
         the members' join keys, then the job says Placed. A race lost raises _Retry."""
@@ -439,12 +447,23 @@ class Placer:
         problems = check_plan(plan, records, job)
         if problems:  # the planner's own invariants: never commit a plan that breaks them
             raise NodusError(ErrorCode.INTERNAL, f"plan for {job.key} breaks {problems}")
-        epoch, t = job.status.epoch + 1, now()
+        t = now()
         record = self._epoch_record(job, plan, records, epoch, mesh, t)
         lease = Lease(gang=job.key, epoch=epoch, placer=self.replica, created_time=t)
         await self._persist_epoch(current, plan, record, lease, exclusions)
         await self._grant_join_keys(record, mesh)
         await self._mark_placed(current, plan, record, lease)
+
+    async def _next_epoch(self, job: Job) -> int:
+        """The job's next epoch number: past any fenced one. A placement whose job record
+        changed under it is torn down after its epoch was persisted, so that number is used,
+        fenced, while the job still names the one before; epochs are never reused."""
+        epoch = job.status.epoch + 1
+        while True:
+            found = await self.epochs.get(names.epoch_key(job.key, epoch))
+            if found is None or not found.value.fenced:
+                return epoch  # free, or another replica's live placement (create refuses)
+            epoch += 1
 
     async def _persist_epoch(
         self, current: Versioned[Job], plan: Plan, record: Epoch, lease: Lease, ex: Exclusions

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,6 +56,26 @@ class Membership:
             return None
         return found
 
+    async def admit(self, key: bytes, gang: str, epoch: int, node: str) -> Identity | None:
+        """`identity(key)`, or, when the watches have not delivered the member yet (just
+        joined, or a watch catching up after the bus failed over), the records read now."""
+        found = self.identity(key)
+        if found is not None or (gang, epoch) in self.fenced or not _names_a_member(gang, node):
+            return found
+        member = await self.members.get(names.member_key(gang, epoch, node))
+        record = await self.epochs.get(names.epoch_key(gang, epoch))
+        if member is None or record is None or record.value.fenced:
+            return None
+        try:
+            if key_from_base64(member.value.wg_public_key) != key:
+                return None
+        except ValueError:
+            return None
+        identity = Identity(gang, epoch, node, len(record.value.members))
+        self.sizes[(gang, epoch)] = len(record.value.members)
+        self.by_key[key] = identity
+        return identity
+
     def same_epoch(self, src: bytes, dst: bytes) -> bool:
         a, b = self.identity(src), self.identity(dst)
         return a is not None and b is not None and (a.gang, a.epoch) == (b.gang, b.epoch)
@@ -84,6 +105,16 @@ class Membership:
                 continue
             size = self.sizes.get((member.gang, member.epoch), 2)
             self.by_key[raw] = Identity(member.gang, member.epoch, member.node, size)
+
+
+_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _names_a_member(gang: str, node: str) -> bool:
+    """A hello's names are the peer's words: only `org.name` and a node name are looked up
+    (S3), never a key pattern."""
+    parts = gang.split(".")
+    return len(parts) == 2 and all(_LABEL.match(p) for p in [*parts, node])
 
 
 def _kv_key(identity: Identity) -> str:

@@ -203,7 +203,7 @@ class Relay:
             conn.close()
 
     async def _member(self, conn: Connection, hello: Hello, nonce: bytes) -> None:
-        identity = self.membership.identity(hello.wg_key)
+        identity = await self.membership.admit(hello.wg_key, hello.gang, hello.epoch, hello.node)
         expected = member_proof(
             self.private_key, hello.wg_key, nonce, hello.gang, hello.epoch, hello.node
         )

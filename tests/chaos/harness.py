@@ -46,7 +46,7 @@ from libs.contracts import names
 from libs.contracts.epochs import Epoch, Lease
 from libs.contracts.fleet import NodeHealth
 from libs.contracts.jobs import Job, Phase
-from libs.contracts.remediation import Action, Policy, Remediation
+from libs.contracts.remediation import Action, Alert, AlertState, Policy, Remediation
 from services.remediator import faults
 from tests.e2e.daemon_logs import DaemonLogs
 
@@ -54,6 +54,7 @@ FINAL = (Phase.SUCCEEDED, Phase.FAILED)
 KINDS = ("nats", "placer", "prober", "remediator", "relay", "agent", "pause")
 HEARTBEAT_SECONDS = 1.0
 BILLING_TOLERANCE = 0.001
+SETTLE_SECONDS = 150.0  # for every job applied to end, after the last fault
 GIB = float(1 << 30)
 
 
@@ -104,6 +105,8 @@ class FaultRecord:
     down_seconds: float
     bus_whole_seconds: float | None = None  # a KV write acknowledged after the restore
     next_placement_seconds: float | None = None  # a job placed after the restore
+    next_relay_bytes_seconds: float | None = None  # bytes metered by a relay after it
+    next_alert_seconds: float | None = None  # after a remediator restart: a new fault alerted
 
 
 @dataclass
@@ -127,6 +130,7 @@ class Chaos:
         self.client: Client | None = None
         self.applied: list[str] = []
         self.placements: list[float] = []  # when a client saw a job placed (monotonic)
+        self.metered: list[float] = []  # when a client saw a relay's usage record
         self._placed: dict[str, datetime] = {}
         self.events: dict[str, bytes] = {}  # Nats-Msg-Id -> data, as a client saw them
         self.fenced_seen: set[str] = set()
@@ -226,7 +230,10 @@ class Chaos:
         restored = time.monotonic()
         record = FaultRecord(kind, target, round(at, 1), round(down, 1))
         record.bus_whole_seconds = await self._bus_whole(restored)
-        record.next_placement_seconds = await self._next_placement(restored)
+        if kind == "remediator":
+            record.next_alert_seconds = await self._next_alert(restored)
+        record.next_placement_seconds = await self._first_after(self.placements, restored)
+        record.next_relay_bytes_seconds = await self._first_after(self.metered, restored, 10.0)
         self.report.faults.append(record)
         print(f"[chaos] {json.dumps(asdict(record))}", file=sys.stderr)
 
@@ -252,14 +259,38 @@ class Chaos:
                 await asyncio.sleep(0.1)
         return None
 
-    async def _next_placement(self, since: float, timeout: float = 60.0) -> float | None:
+    async def _first_after(
+        self, times: list[float], since: float, timeout: float = 60.0
+    ) -> float | None:
+        """Seconds from `since` to the first of `times` after it (None: none came)."""
         deadline = since + timeout
         while time.monotonic() < deadline:
-            after = [t for t in self.placements if t > since]
+            after = [t for t in times if t > since]
             if after:
                 return round(min(after) - since, 2)
             await asyncio.sleep(0.2)
         return None
+
+    async def _next_alert(self, since: float, timeout: float = 60.0) -> float | None:
+        """A thermal fault on c-2 written after the remediator came back: until its alert is
+        there; then cleared before its persistence window makes a recommendation."""
+        assert self.system is not None and self.client is not None
+        machine = self.system.machine_dir("c-2")
+        faults.inject(machine, faults.Fault(kind="thermal"))
+        bus = self.client.bus
+        await bus.ensure_bucket(names.BUCKET_ALERTS)
+        alerts = bus.bucket(names.BUCKET_ALERTS, Alert)
+        try:
+            deadline = since + timeout
+            while time.monotonic() < deadline:
+                found = await alerts.snapshot()
+                if any(a.value.node == "c-2" and a.value.state is AlertState.FIRING
+                       for a in found.values()):  # fmt: skip
+                    return round(time.monotonic() - since, 2)
+                await asyncio.sleep(0.1)
+            return None
+        finally:
+            faults.clear(machine, "thermal")
 
     # -- what a client sees ----------------------------------------------------------------
 
@@ -273,6 +304,11 @@ class Chaos:
                 self.events[ident] = msg.data
 
         await bus.nc.subscribe("nodus.evt.>", cb=on_event)
+
+        async def on_usage(_: Any) -> None:
+            self.metered.append(time.monotonic())
+
+        await bus.nc.subscribe("nodus.usage.>", cb=on_usage)
 
         client = self.client
 
@@ -290,10 +326,10 @@ class Chaos:
 
         return [asyncio.create_task(epochs()), asyncio.create_task(jobs())]
 
-    async def _settle(self, timeout: float = 240.0) -> None:
+    async def _settle(self, timeout: float = 0.0) -> None:
         """Every job applied ends (or the timeout passes); the repair finishes."""
         assert self.client is not None
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (timeout or SETTLE_SECONDS)
         while time.monotonic() < deadline:
             try:
                 jobs = {j.metadata.name: j for j in await self.client.list_jobs()}
@@ -327,8 +363,9 @@ class Chaos:
             gang = found.key
             if phase is Phase.RUNNING and len(live.get(gang, [])) != 1:
                 bad.append(f"{name} Running with {len(live.get(gang, []))} live epochs")
-            if phase not in (*FINAL, Phase.RUNNING):
-                bad.append(f"{name} is {phase.value} after the run settled")
+            if phase not in FINAL:
+                # Its work takes seconds: still going after the settling time, it is stuck.
+                bad.append(f"{name} is {phase.value} {SETTLE_SECONDS:g} s after the faults")
             if phase in FINAL and live.get(gang):
                 bad.append(f"{name} ended {phase.value} and epoch {live[gang][0].epoch} is live")
         members: Counter[str] = Counter()
@@ -433,6 +470,10 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--seed", type=int, action="append", help="repeatable; default: 10 random")
@@ -442,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     seeds = args.seed or [random.randrange(1 << 20) for _ in range(10)]
+    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C: every run stops what it started.
+    signal.signal(signal.SIGTERM, _interrupt)
     summary = []
     for seed in seeds:
         with tempfile.TemporaryDirectory(prefix=f"nodus-chaos-{seed}-") as state:

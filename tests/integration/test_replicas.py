@@ -10,8 +10,10 @@ from libs.bus import Bus
 from libs.bus.server import NatsServer
 from libs.client.client import Client
 from libs.contracts import names
+from libs.contracts.base import now
+from libs.contracts.bounds import derive
 from libs.contracts.epochs import Epoch, Lease
-from libs.contracts.jobs import Job, Phase
+from libs.contracts.jobs import Job, PathClass, Phase
 from tests.conftest import StartPlacer, eventually
 from tests.factories import job, machine, node_record, register
 
@@ -70,3 +72,40 @@ async def test_two_placers_and_fifty_jobs_place_each_job_once(
         assert set(placed_by) == {"placer-a", "placer-b"}, placed_by
     finally:
         await clients[1].close()
+
+
+async def test_an_epoch_torn_down_before_its_job_said_placed_is_never_reused(
+    bus: Bus, start_placer: StartPlacer
+) -> None:
+    """A replica persisted epoch 1 and lost the job record's compare-and-set to another
+    replica, so it fenced epoch 1 while the job still says epoch 0 (found by the chaos run):
+    the job is placed as epoch 2, not left Pending retrying epoch 1 forever."""
+    fleet = [machine(f"m{i}", address=f"10.0.0.{i + 1}") for i in range(2)]
+    await register(bus, [node_record(m) for m in fleet])
+    torn = Epoch(
+        gang="acme.torn",
+        epoch=1,
+        path=PathClass.PRIVATE,
+        mesh_id="m",
+        verify_key="",
+        members=[],
+        bounds=derive(PathClass.PRIVATE, 2),
+        created_time=now(),
+        join_keys_expire_time=now(),
+        placed_by="placer-x",
+        fenced=True,
+    )
+    await bus.bucket(names.BUCKET_EPOCHS, Epoch).put("acme.torn.1", torn)
+    await start_placer()
+    client = Client(bus)
+    await client.apply(job("torn", distributed={"members": 2, "network": "Colocated"}))
+
+    async def placed() -> bool:
+        found = await client.get_job("torn")
+        return found.status.phase is Phase.PLACED
+
+    await eventually(placed)
+    found = await client.get_job("torn")
+    assert found.status.epoch == 2
+    first = await bus.bucket(names.BUCKET_EPOCHS, Epoch).get("acme.torn.1")
+    assert first is not None and first.value.fenced  # fenced stays fenced
