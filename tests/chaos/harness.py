@@ -271,12 +271,13 @@ class Chaos:
             await asyncio.sleep(0.2)
         return None
 
-    async def _next_alert(self, since: float, timeout: float = 60.0) -> float | None:
-        """A thermal fault on c-2 written after the remediator came back: until its alert is
-        there; then cleared before its persistence window makes a recommendation."""
+    async def _next_alert(self, since: float, timeout: float = 30.0) -> float | None:
+        """A pending row remap on c-2 (one dcgm reading shows it) written after the remediator
+        came back: until its alert is there; then cleared before its persistence window makes
+        a recommendation."""
         assert self.system is not None and self.client is not None
         machine = self.system.machine_dir("c-2")
-        faults.inject(machine, faults.Fault(kind="thermal"))
+        faults.inject(machine, faults.Fault(kind="row-remap-pending"))
         bus = self.client.bus
         await bus.ensure_bucket(names.BUCKET_ALERTS)
         alerts = bus.bucket(names.BUCKET_ALERTS, Alert)
@@ -290,7 +291,7 @@ class Chaos:
                 await asyncio.sleep(0.1)
             return None
         finally:
-            faults.clear(machine, "thermal")
+            faults.clear(machine, "row-remap-pending")
 
     # -- what a client sees ----------------------------------------------------------------
 
