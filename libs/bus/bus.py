@@ -12,6 +12,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import nats.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 from nats.js.kv import KeyValue
@@ -162,6 +163,36 @@ class Bus:
             raise NodusError(ErrorCode.INTERNAL, f"bucket {name} was not opened at start")
         return Bucket(self._buckets[name], kind, name)
 
+    async def replay(self, stream: str, subject: str, timeout: float = 30.0) -> list[Msg]:
+        """Every message `stream` holds on `subject`, oldest first. The stream says how many
+        match, and each is read, however long a bus failing over takes to deliver them: a read
+        that stops at the first pause would miss some (bytes unbilled, events unseen)."""
+        info = await retrying(
+            lambda: self.js.stream_info(stream, subjects_filter=subject),
+            f"count {subject}",
+            self.nc,
+        )
+        expected = sum((info.state.subjects or {}).values())
+        if not expected:
+            return []
+        messages: list[Msg] = []
+        deadline = asyncio.get_running_loop().time() + timeout
+        sub = await self.js.subscribe(subject, ordered_consumer=True)
+        try:
+            while len(messages) < expected:
+                try:
+                    messages.append(await sub.next_msg(timeout=1.0))
+                except nats.errors.TimeoutError:
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise NodusError(
+                            ErrorCode.TIMEOUT,
+                            f"{stream}: read {len(messages)} of the {expected} messages on "
+                            f"{subject} within {timeout:g} s",
+                        ) from None
+        finally:
+            await sub.unsubscribe()
+        return messages
+
     async def user_info(self, timeout: float = 5.0) -> dict[str, Any]:
         """Who the server says this connection is: its user (public key) and, for a confined
         user, its permissions (`$SYS.REQ.USER.INFO`)."""
@@ -279,10 +310,13 @@ class Endpoint(Generic[Req, Rep]):
         handler: Callable[[Req], Awaitable[Rep]],
         concurrency: int = 1,
     ) -> None:
+        self._setup(name, subject, request, concurrency)
+        self.handler = handler
+
+    def _setup(self, name: str, subject: str, request: type[Req], concurrency: int) -> None:
         self.name = name
         self.subject = subject
         self.request = request
-        self.handler = handler
         # nats-py delivers one message at a time per subscription; handlers that wait on I/O
         # run as tasks, at most `concurrency` at once (a full set holds the subscription back).
         self._slots = asyncio.Semaphore(concurrency) if concurrency > 1 else None
@@ -337,12 +371,9 @@ class CallerEndpoint(Endpoint[Req, Rep]):
         handler: Callable[[Req, str], Awaitable[Rep]],
         concurrency: int = 1,
     ) -> None:
-        super().__init__(name, f"{prefix}.*", request, self._unused, concurrency)
+        self._setup(name, f"{prefix}.*", request, concurrency)
         self.prefix = prefix
         self.caller_handler = handler
-
-    async def _unused(self, body: Req) -> Rep:
-        raise AssertionError("CallerEndpoint calls its handler with the caller")
 
     async def _call(self, body: Req, subject: str) -> Rep:
         return await self.caller_handler(body, subject[len(self.prefix) + 1 :])

@@ -7,6 +7,8 @@ import logging
 import os
 import ssl
 import weakref
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +73,7 @@ async def connect(
 
     async def on_error(error: Exception) -> None:
         if client and "permissions violation" in str(error).lower():
-            _REFUSED.setdefault(client[0], []).append(str(error))
-            del _REFUSED[client[0]][:-10]
-            _REFUSALS[client[0]] = _REFUSALS.get(client[0], 0) + 1
+            _REFUSED.setdefault(client[0], _Refusals()).add(str(error))
             log.warning("bus error: %s", error)
         elif client:  # before the first connect, the caller gets one clear error instead
             log.warning("bus error: %s", error)
@@ -136,20 +136,32 @@ async def connect(
     return nc
 
 
-# The server's last permission refusals per connection: a refused publish is otherwise only
-# a request that times out.
-_REFUSED: weakref.WeakKeyDictionary[Client, list[str]] = weakref.WeakKeyDictionary()
-_REFUSALS: weakref.WeakKeyDictionary[Client, int] = weakref.WeakKeyDictionary()
+@dataclass
+class _Refusals:
+    """The server's permission refusals of one connection: how many, and the last few."""
+
+    count: int = 0
+    last: deque[str] = field(default_factory=lambda: deque(maxlen=10))
+
+    def add(self, refusal: str) -> None:
+        self.count += 1
+        self.last.append(refusal)
+
+
+# Per connection: a refused publish is otherwise only a request that times out.
+_REFUSED: weakref.WeakKeyDictionary[Client, _Refusals] = weakref.WeakKeyDictionary()
 
 
 def refusal_count(nc: Client) -> int:
     """How many publishes the server refused this connection (a refused act is no outage)."""
-    return _REFUSALS.get(nc, 0)
+    found = _REFUSED.get(nc)
+    return found.count if found else 0
 
 
 def refusal_of(nc: Client, subject: str) -> str | None:
     """The server's refusal of this connection's publish to `subject`, if it refused one."""
-    for refusal in reversed(_REFUSED.get(nc, [])):
+    found = _REFUSED.get(nc)
+    for refusal in reversed(found.last if found else ()):
         if f'"{subject.lower()}"' in refusal.lower():
             return refusal
     return None

@@ -16,7 +16,7 @@ from nats.js.kv import KeyValue
 from nats.nuid import NUID
 from prometheus_client import Counter
 
-from libs.bus.retry import retrying
+from libs.bus.retry import Retried, retrying
 from libs.contracts.base import decode, encode
 from libs.contracts.errors import ErrorCode, NodusError
 
@@ -30,7 +30,6 @@ MALFORMED_RECORDS = Counter(
     ["bucket"],
 )
 
-DIRECT_GET_PAUSES = (0.05, 0.1, 0.2, 0.5, 1.0)  # before each retry of a direct read
 KV_DEL = "DEL"
 KV_PURGE = "PURGE"
 
@@ -106,33 +105,21 @@ class Bucket(Generic[T]):
         self.name = name
 
     async def get(self, key: str) -> Versioned[T] | None:
+        entry = await self._entry(key)
+        if entry is None:
+            return None
+        return Versioned(key, self._decode(key, entry.value), entry.revision or 0)
+
+    async def _entry(self, key: str) -> Any:
+        """The key's live entry, or None. A direct read is answered by any replica; one just
+        created or elected may not answer for a moment, which `retrying` rides out."""
         try:
-            entry = await retrying(lambda: self._direct_get(key), f"get {self.name}", self._nc)
+            entry = await retrying(lambda: self._kv.get(key), f"get {self.name}", self._nc)
         except KeyNotFoundError:
             return None
         if entry.value is None or entry.operation in (KV_DEL, KV_PURGE):
             return None
-        return Versioned(key, self._decode(key, entry.value), entry.revision or 0)
-
-    async def _direct_get(self, key: str) -> Any:
-        """A direct read is answered by any replica; on a clustered bus one that was just
-        created or elected may not answer for a moment: try again briefly."""
-        for pause in DIRECT_GET_PAUSES:
-            try:
-                return await self._kv.get(key)
-            except nats.errors.NoRespondersError:
-                await asyncio.sleep(pause)
-        return await self._kv.get(key)
-
-    async def _landed(self, key: str, data: bytes) -> int | None:
-        """After a write whose answer was lost: its revision if the key holds what it wrote."""
-        try:
-            entry = await retrying(lambda: self._direct_get(key), f"get {self.name}", self._nc)
-        except KeyNotFoundError:
-            return None
-        if entry.operation in (KV_DEL, KV_PURGE) or entry.value != data:
-            return None
-        return int(entry.revision or 0)
+        return entry
 
     async def put(self, key: str, value: T) -> int:
         data = encode(value)
@@ -151,11 +138,7 @@ class Bucket(Generic[T]):
     ) -> int | None:
         """A create (revision None) or an update, exactly once: when an answer is lost and
         the retry finds the key moved, it moved to this write if it holds these bytes."""
-        retried = False
-
-        def note() -> None:
-            nonlocal retried
-            retried = True
+        retried = Retried()
 
         async def write() -> int:
             if revision is None:
@@ -163,40 +146,32 @@ class Bucket(Generic[T]):
             return int(await self._kv.update(key, data, last=revision))
 
         try:
-            return await retrying(write, f"{what} {self.name}", self._nc, on_retry=note)
+            return await retrying(write, f"{what} {self.name}", self._nc, on_retry=retried)
         except KeyWrongLastSequenceError:
-            return await self._landed(key, data) if retried else None
+            if not retried:
+                return None
+            entry = await self._entry(key)
+            return int(entry.revision or 0) if entry is not None and entry.value == data else None
 
     async def delete(self, key: str, revision: int | None = None) -> bool:
-        """Delete (compare-and-set when `revision` is given); False if the key moved on."""
-        retried = False
-
-        def note() -> None:
-            nonlocal retried
-            retried = True
-
+        """Delete (compare-and-set when `revision` is given); False if the key moved on. After
+        a lost answer, a key found deleted counts as deleted."""
+        retried = Retried()
         try:
             await retrying(
                 lambda: self._kv.delete(key, last=revision),
                 f"delete {self.name}",
                 self._nc,
-                on_retry=note,
+                on_retry=retried,
             )
-        except KeyWrongLastSequenceError:
-            return retried and await self._gone(key)
-        except Exception as error:  # the server answers a CAS miss on delete with an APIError
-            if getattr(error, "err_code", None) in (10071, 10164):
-                return retried and await self._gone(key)
-            raise
+        except Exception as error:  # a CAS miss: KeyWrongLastSequenceError, or an APIError
+            miss = isinstance(error, KeyWrongLastSequenceError) or getattr(
+                error, "err_code", None
+            ) in (10071, 10164)
+            if not miss:
+                raise
+            return bool(retried) and await self._entry(key) is None
         return True
-
-    async def _gone(self, key: str) -> bool:
-        """After a delete whose answer was lost: is the key deleted (by it, or since)?"""
-        try:
-            entry = await retrying(lambda: self._direct_get(key), f"get {self.name}", self._nc)
-        except KeyNotFoundError:
-            return True
-        return entry.value is None or entry.operation in (KV_DEL, KV_PURGE)
 
     async def mutate(
         self, key: str, change: Callable[[T | None], T | None], attempts: int = 50

@@ -40,6 +40,19 @@ RETRIES = Counter(
 )
 
 
+class Retried:
+    """An `on_retry` that remembers it was called: the first try may have landed."""
+
+    def __init__(self) -> None:
+        self.happened = False
+
+    def __call__(self) -> None:
+        self.happened = True
+
+    def __bool__(self) -> bool:
+        return self.happened
+
+
 def transient(error: BaseException) -> bool:
     """Would the same call, made again in a moment, likely succeed?"""
     if isinstance(

@@ -214,35 +214,25 @@ class Client:
 
     async def events(self, job: Job, limit: int = 50) -> list[JobEvent]:
         """The job's recent events from the events stream, oldest first."""
-        events = await self._replay(names.job_event(job.key, ">"), JobEvent)
+        events = await self._replay(names.EVENTS_STREAM, names.job_event(job.key, ">"), JobEvent)
         return events[-limit:]
 
     async def usage(self) -> dict[str, int]:
         """Bytes members sent through relays, per gang (`org.name`), from the usage stream."""
         totals: dict[str, int] = {}
-        for record in await self._replay("nodus.usage.>", UsageRecord):
+        for record in await self._replay(names.USAGE_STREAM, "nodus.usage.>", UsageRecord):
             totals[record.gang] = totals.get(record.gang, 0) + record.bytes_sent
         return totals
 
-    async def _replay(self, subject: str, kind: type[T]) -> list[T]:
-        """Every record a stream holds on `subject`, oldest first: read until none is pending
-        (or none arrives within half a second); records that do not decode are skipped."""
+    async def _replay(self, stream: str, subject: str, kind: type[T]) -> list[T]:
+        """Every record `stream` holds on `subject`, oldest first; records that do not
+        decode are skipped."""
         records: list[T] = []
-        sub = await self.bus.js.subscribe(subject, ordered_consumer=True)
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=0.5)
-                except Exception:  # nothing more within the timeout
-                    break
-                try:
-                    records.append(decode(msg.data, kind))
-                except msgspec.ValidationError:
-                    continue
-                if msg.metadata.num_pending == 0:
-                    break
-        finally:
-            await sub.unsubscribe()
+        for msg in await self.bus.replay(stream, subject):
+            try:
+                records.append(decode(msg.data, kind))
+            except msgspec.ValidationError:
+                continue
         return records
 
     async def global_ranktable(self) -> dict[str, Versioned[Ranktable]]:

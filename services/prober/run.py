@@ -14,16 +14,14 @@ from typing import Literal
 
 import msgspec
 from nats.errors import Error as NatsError
-from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client import Counter
 
 from libs.bus import Bus
 from libs.bus.kv import Bucket
-from libs.bus.retry import retrying
 from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.epochs import Epoch
-from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.errors import NodusError
 from libs.contracts.jobs import (
     Billing,
     ConditionType,
@@ -46,7 +44,6 @@ PLATFORM_GRACE_SECONDS = 5.0
 
 log = logging.getLogger("nodus.prober")
 
-USAGE_READ_SECONDS = 30.0  # to read a gang's usage records, through a bus failover
 USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (1 s) plus delivery
 
 RUNS = Counter("nodus_prober_runs_total", "Gang runs by outcome", ["outcome"])
@@ -313,41 +310,13 @@ class GangRun:
                         log.warning("stopping %s on %s: %s", gang, member.node, error)
 
     async def _relay_bytes(self, gang: str) -> int:
-        """Every byte the relays metered for the gang: the stream says how many records
-        match, and each is read, however long a bus failing over takes to deliver them (a
-        read that stops at the first pause bills less than was moved)."""
-        subject = f"nodus.usage.*.{gang}"
-        info = await retrying(
-            lambda: self.bus.js.stream_info(names.USAGE_STREAM, subjects_filter=subject),
-            "usage count",
-            self.bus.nc,
-        )
-        expected = sum((info.state.subjects or {}).values())
-        if not expected:
-            return 0
-        total = seen = 0
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + USAGE_READ_SECONDS
-        sub = await self.bus.js.subscribe(subject, ordered_consumer=True)
-        try:
-            while seen < expected:
-                try:
-                    msg = await sub.next_msg(timeout=1.0)
-                except NatsTimeout:
-                    if loop.time() > deadline:
-                        raise NodusError(
-                            ErrorCode.TIMEOUT,
-                            f"{gang}: read {seen} of its {expected} usage records within "
-                            f"{USAGE_READ_SECONDS:g} s",
-                        ) from None
-                    continue
-                seen += 1
-                try:
-                    total += msgspec.json.decode(msg.data, type=UsageRecord).bytes_sent
-                except msgspec.ValidationError:
-                    continue
-        finally:
-            await sub.unsubscribe()
+        """Every byte the relays metered for the gang, each record of the stream read."""
+        total = 0
+        for msg in await self.bus.replay(names.USAGE_STREAM, f"nodus.usage.*.{gang}"):
+            try:
+                total += msgspec.json.decode(msg.data, type=UsageRecord).bytes_sent
+            except msgspec.ValidationError:
+                continue
         return total
 
 

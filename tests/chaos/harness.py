@@ -444,21 +444,10 @@ class Chaos:
 
     async def _check_events(self, bus: Bus) -> None:
         self.report.events_seen = len(self.events)
-        stored: set[str] = set()
-        sub = await bus.js.subscribe("nodus.evt.>", ordered_consumer=True)
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=2.0)
-                except Exception:
-                    break
-                ident = (msg.headers or {}).get("Nats-Msg-Id")
-                if ident:
-                    stored.add(ident)
-                if msg.metadata.num_pending == 0:
-                    break
-        finally:
-            await sub.unsubscribe()
+        stored = {
+            (msg.headers or {}).get("Nats-Msg-Id")
+            for msg in await bus.replay(names.EVENTS_STREAM, "nodus.evt.>")
+        }
         missing = sorted(set(self.events) - stored)
         if missing:
             self.report.violations.append(
