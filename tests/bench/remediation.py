@@ -41,6 +41,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import nats.errors
+
 from libs.bus import Bus
 from libs.bus.kv import Bucket
 from libs.bus.server import NatsServer, free_port
@@ -189,6 +191,12 @@ async def baseline(url: str, samples: int) -> dict[str, Any]:
 
         await b.nc.subscribe("bench.echo", cb=echo)
         await b.nc.flush()
+        for _ in range(40):  # the other connection's interest can take a moment to be seen
+            try:
+                await a.nc.request("bench.echo", b"x", timeout=5)
+                break
+            except nats.errors.NoRespondersError:
+                await asyncio.sleep(0.05)
         rtt = []
         for _ in range(samples):
             t0 = time.perf_counter()
