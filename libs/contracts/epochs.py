@@ -27,6 +27,9 @@ class EpochMember(Record):
     interface: str  # what NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name
     devices: list[str]  # backend-derived device names, CUDA0.. or ROCm0.. (C5)
     env: dict[str, str]  # the rank's whole environment (G8)
+    # The machine's boot when placed: a member whose machine booted since (its agent
+    # restarted) has lost its ranks and tunnels, and its epoch ends.
+    boot_id: str = ""
 
 
 class Epoch(Record):

@@ -148,6 +148,7 @@ class Agent:
                 ),
             ],
         )
+        await self.gangs.runner.stop_previous_boot()
         await self.nodes.put(self.node, self.record())
         await self._beat()
         self._tasks = [

@@ -10,12 +10,34 @@ import signal
 from pathlib import Path
 from typing import Literal
 
+import msgspec
+
 from libs.bus import Bucket
 from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.lifecycle import RankStatus
 
 log = logging.getLogger("nodus.agent.ranks")
+
+
+class RankProcess(msgspec.Struct):
+    """A running rank's process as the machine's disk remembers it (`<rank key>.pid` beside its
+    log), so that an agent starting again finds the ranks of its previous boot."""
+
+    status: RankStatus
+    pid: int
+    start_ticks: int  # /proc/<pid>/stat's start time: a pid reused since is not the rank
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot; None if no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    # Fields after the command name (which may hold spaces) start at the last ')'.
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
 
 
 class Rank:
@@ -37,6 +59,34 @@ class RankRunner:
 
     def log_path(self, gang: str, epoch: int, rank: int) -> Path:
         return self.log_dir / f"{names.rank_key(gang, epoch, rank, self.node)}.log"
+
+    def _pid_path(self, key: str) -> Path:
+        return self.log_dir / f"{key}.pid"
+
+    async def stop_previous_boot(self) -> int:
+        """The ranks the machine ran before this agent started: a booted machine runs none, so
+        any still alive (the agent was killed, its ranks were not) are killed, and each is
+        recorded Stopped by the platform (its gang is placed again, R16), not failed."""
+        stopped = 0
+        for path in sorted(self.log_dir.glob("*.pid")):
+            try:
+                remembered = msgspec.json.decode(path.read_bytes(), type=RankProcess)
+            except (OSError, msgspec.DecodeError) as error:
+                log.warning("%s: not a rank's process record (%s); removed", path, error)
+                path.unlink(missing_ok=True)
+                continue
+            if _start_ticks(remembered.pid) == remembered.start_ticks:
+                try:
+                    os.killpg(remembered.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            status = msgspec.structs.replace(remembered.status, state="Stopped", ended_time=now())
+            key = names.rank_key(status.gang, status.epoch, status.rank, self.node)
+            await self.ranks.put(key, status)
+            path.unlink(missing_ok=True)
+            log.info("rank %s of the machine's previous boot stopped", key)
+            stopped += 1
+        return stopped
 
     async def launch(
         self, gang: str, epoch: int, rank: int, command: list[str], env: dict[str, str]
@@ -86,6 +136,10 @@ class RankRunner:
             started_time=now(),
             log=str(path),
         )
+        ticks = _start_ticks(process.pid)
+        if ticks is not None:
+            remembered = RankProcess(status=status, pid=process.pid, start_ticks=ticks)
+            self._pid_path(key).write_bytes(msgspec.json.encode(remembered))
         await self.ranks.put(key, status)
         entry = Rank(status, process, path)
         self.running[key] = entry
@@ -110,6 +164,7 @@ class RankRunner:
             log=entry.status.log,
         )
         await self.ranks.put(key, entry.status)
+        self._pid_path(key).unlink(missing_ok=True)
         log.info("rank %s exited with %d", key, code)
 
     async def stop(self, gang: str, epoch: int | None = None, grace: float = 5.0) -> int:

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Literal
 
 import msgspec
+from nats.errors import Error as NatsError
 from prometheus_client import Counter, Gauge, Histogram
 
 from libs.bus import Bus, Endpoint, Versioned, check_plan_generations
@@ -105,6 +106,7 @@ class Placer:
         self._background = TaskSet("placer background", log)
         self._slots = asyncio.Semaphore(config.placement_concurrency)
         self._active: dict[str, tuple[int, list[str]]] = {}  # placed gangs: epoch, members
+        self._boots: dict[str, tuple[int, dict[str, str]]] = {}  # see _placed_boots
         self._feasible_cache: dict[bytes, NodusError | None] = {}
         self._feasible_version = -1
 
@@ -301,17 +303,48 @@ class Placer:
 
         self._background.spawn(release(), name=f"release {job.key}")
 
+    async def _placed_boots(self, key: str, epoch: int) -> dict[str, str]:
+        """The boot of each member's machine when `epoch` was placed, read once per epoch."""
+        cached = self._boots.get(key)
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
+        stored = await self.epochs.get(names.epoch_key(key, epoch))
+        boots = {m.node: m.boot_id for m in stored.value.members} if stored else {}
+        self._boots[key] = (epoch, boots)
+        return boots
+
+    def _booted_since(self, node: str, placed_boot: str) -> bool:
+        health = self.view.health.get(node)
+        return bool(placed_boot and health and health.boot_id and health.boot_id != placed_boot)
+
     async def _check_members(self) -> None:
-        """A member that stops heartbeating or is marked unhealthy ends its gang's epoch: the
-        gang goes back to placement without it, and its next epoch fences this one first."""
+        """A member that stops heartbeating, is marked unhealthy, or whose machine booted again
+        since placement (its agent restarted: ranks and tunnels gone) ends its gang's epoch:
+        the gang goes back to placement without it, and its next epoch fences this one first."""
         t = now()
+        for key in set(self._boots) - set(self._active):
+            del self._boots[key]
         for key, (epoch, members) in list(self._active.items()):
             lost = [node for node in members if not self.view.alive(node, t)]
-            if not lost:
+            try:
+                boots = await self._placed_boots(key, epoch)
+            except (NodusError, NatsError, OSError, TimeoutError) as error:
+                log.warning("%s: epoch %d's members not read: %s", key, epoch, error)
+                boots = {}
+            booted = [
+                node
+                for node in members
+                if node not in lost and self._booted_since(node, boots.get(node, ""))
+            ]
+            if not lost and not booted:
                 continue
-            message = (
-                f"{', '.join(lost)} stopped heartbeating or turned unhealthy; epoch {epoch} ends"
-            )
+            reasons = []
+            if lost:
+                reasons.append(f"{', '.join(lost)} stopped heartbeating or turned unhealthy")
+            if booted:
+                reasons.append(f"{', '.join(booted)} booted again (its ranks and tunnels are gone)")
+            lost += booted
+            message = f"{'; '.join(reasons)}; epoch {epoch} ends"
 
             def replace(
                 job: Job | None, epoch: int = epoch, lost: list[str] = lost, message: str = message
@@ -677,6 +710,7 @@ class Placer:
                     interface=m.interface,
                     devices=device_names(records[m.node]),
                     env=envs[m.rank],
+                    boot_id=records[m.node].boot_id,
                 )
                 for m in plan.members
             ],

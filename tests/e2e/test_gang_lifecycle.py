@@ -46,6 +46,7 @@ from libs.contracts.lifecycle import (
     LaunchRequest,
     ProbeServeReply,
     ProbeServeRequest,
+    RankStatus,
 )
 from libs.contracts.relay import Member, RelayRecord, UsageRecord
 from libs.relayproto.client import RelayClient
@@ -524,6 +525,94 @@ async def _lose_a_member_during_the_run(
     assert final.status.epoch == 2
     ready = final.condition(ConditionType.GANG_READY)
     assert ready is not None and ready.reason == "Completed"
+
+
+async def test_e_an_agent_killed_and_started_again_at_once_ends_its_epoch_and_kills_its_ranks(
+    tmp_path: Path,
+) -> None:
+    """An agent SIGKILLed and started again before its heartbeats could time out (systemd's
+    Restart=, the chaos run) is a machine that booted: its tunnels and its join of epoch 1 died
+    with it. The placer sees the new boot id and ends epoch 1 at once (it does not wait for a
+    heartbeat timeout that never comes), the restarted agent kills the rank its previous life
+    left running and records it Stopped, and epoch 2 runs to Succeeded. (Found by the chaos
+    run: the gang stayed Running forever on a rank nobody watched.)"""
+    machines = [
+        eu_machine("vast-x", "container", 91),
+        eu_machine("vast-y", "container", 92),
+        eu_machine("lam-z", "vm", 93),
+    ]
+    marker = f"nodus-reboot-{os.getpid()}-{tmp_path.name}"
+    # Far longer than the test: only the boot id can end epoch 1 in time.
+    slow_heartbeat_timeout = 120.0
+    try:
+        async with local_system(tmp_path, machines, slow_heartbeat_timeout) as (
+            system,
+            client,
+            bus,
+        ):
+            await client.apply(
+                job(
+                    "lazarus",
+                    org="acme",
+                    command=[sys.executable, "-c", SLEEPER, str(RUN_SECONDS), marker],
+                    accelerators={"model": "L4"},
+                    distributed={"members": 2, "transport": "Auto"},
+                )
+            )
+            first = await wait_job(
+                client,
+                system,
+                "lazarus",
+                lambda j: j.status.phase is Phase.RUNNING and j.status.epoch == 1,
+                90,
+                "epoch 1 Running",
+            )
+            assert first.status.gang is not None
+            rank0 = min(first.status.gang.members, key=lambda m: m.rank)
+            lost = rank0.node
+            key = names.rank_key("acme.lazarus", 1, rank0.rank, lost)
+            remembered = system.machine_dir(lost) / "logs" / f"{key}.pid"
+            # Written before the launch answered, so before the job said Running.
+            assert remembered.exists(), f"the agent kept no record of rank 0's process ({key})"
+            pid = json.loads(remembered.read_text())["pid"]
+
+            agent = agent_of(system, lost)
+            os.kill(agent.process.pid, signal.SIGKILL)
+            agent.process.wait(timeout=10)
+            assert process_alive(pid), "the rank died with its agent: nothing to prove"
+            system.restart(agent.name)
+
+            second = await wait_job(
+                client,
+                system,
+                "lazarus",
+                lambda j: j.status.epoch == 2 and j.status.phase is Phase.RUNNING,
+                60,
+                "epoch 2 Running",
+            )
+            assert second.status.gang is not None
+            assert lost not in {m.node for m in second.status.gang.members}
+            events = [(e.kind, e.epoch, e.message) for e in await client.events(second)]
+            assert any(
+                k == "MemberLost" and e == 1 and f"{lost} booted again" in m for k, e, m in events
+            ), events
+            assert not process_alive(pid), "the previous boot's rank still runs"
+            status = await bus.bucket(names.BUCKET_RANKS, RankStatus).get(key)
+            assert status is not None and status.value.state == "Stopped", status
+            final = await wait_job(client, system, "lazarus", ended, 60, "the end of epoch 2")
+            assert final.status.phase is Phase.SUCCEEDED, final.status.conditions
+            assert final.status.epoch == 2
+    finally:
+        kill_marked_processes(marker)
+
+
+def process_alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def fleet_machines(system: LocalSystem) -> list[dict[str, Any]]:

@@ -3,8 +3,12 @@ heartbeats, requests addressed to its node (C1), and joining an epoch with a sin
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+import msgspec
 import pytest
 
 from libs.bus import Bus
@@ -16,8 +20,9 @@ from libs.contracts.epochs import Epoch, JoinKeyGrant, JoinRedemption
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.jobs import Phase
-from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest
+from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest, RankStatus
 from services.agent.agent import Agent
+from services.agent.ranks import RankProcess
 from tests.conftest import StartPlacer, eventually
 from tests.factories import job, machine
 
@@ -126,3 +131,43 @@ async def test_agents_join_their_epoch_once(
     assert fenced.value.code in (ErrorCode.STALE_EPOCH, ErrorCode.CONFLICT)
     assert not await bus.bucket(names.BUCKET_JOINKEYS, JoinKeyGrant).snapshot("aws-a.>")
     assert now() < epoch.value.join_keys_expire_time
+
+
+async def test_an_agent_starting_again_stops_the_ranks_of_the_previous_boot_and_no_stranger(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """The ranks a killed agent left running are killed by its next start and recorded
+    Stopped; a remembered pid that another process has taken since is left alone."""
+    first = Agent(bus, machine("aws-r", address="10.0.0.9"), state_dir=tmp_path)
+    await first.start()
+    await first.gangs.runner.launch("acme.sleepy", 1, 0, ["sleep", "60"], {})
+    rank = first.gangs.runner.running[names.rank_key("acme.sleepy", 1, 0, "aws-r")]
+    orphan = rank.process.pid
+    # The agent dies without stopping anything (SIGKILL): only its tasks end.
+    assert rank.waiter is not None
+    rank.waiter.cancel()
+    for task in first._tasks:
+        task.cancel()
+    # A record whose pid is now another process (this test's): not the rank.
+    stranger = RankProcess(
+        status=RankStatus(
+            gang="acme.other", epoch=3, rank=1, node="aws-r", state="Running", started_time=now()
+        ),
+        pid=os.getpid(),
+        start_ticks=1,
+    )
+    (tmp_path / "logs" / "acme.other.3.1.aws-r.pid").write_bytes(msgspec.json.encode(stranger))
+
+    second = Agent(bus, machine("aws-r", address="10.0.0.9"), state_dir=tmp_path)
+    await second.start()
+    try:
+        assert (await rank.process.wait()) == -signal.SIGKILL
+        ranks = bus.bucket(names.BUCKET_RANKS, RankStatus)
+        for key in ("acme.sleepy.1.0.aws-r", "acme.other.3.1.aws-r"):
+            stored = await ranks.get(key)
+            assert stored is not None and stored.value.state == "Stopped", (key, stored)
+            assert stored.value.ended_time is not None
+        assert not list((tmp_path / "logs").glob("*.pid"))
+        assert orphan != os.getpid()  # and this test still runs
+    finally:
+        await second.stop()
