@@ -45,7 +45,10 @@ class Connection:
         self._pending: deque[Frame] = deque()  # read, not yet handed to the session
         self.heard = time.monotonic()  # when the peer last sent anything
         self.silent = False  # ended by `keep_alive`: the peer fell silent
-        writer.transport.set_write_buffer_limits(high=HIGH_WATER)
+        try:
+            writer.transport.set_write_buffer_limits(high=HIGH_WATER)
+        except RuntimeError:  # uvloop: the peer reset the connection before it was framed
+            self.closed = True
         # The stream's "closed" future holds the reset that ended it. Reads get the same
         # error and handle it; nothing else awaits this future, so asyncio would log it at
         # exit as "never retrieved": take it here.
