@@ -50,7 +50,7 @@ from libs.runtime.version import VERSION
 from services.placer import admission
 from services.placer.cluster import ClusterView, follow_cordons
 from services.placer.environment import device_names, rank_environments
-from services.placer.planner import Exclusions, Plan, Planner, check_plan
+from services.placer.planner import Exclusions, Plan, Planner, Shortfall, check_plan
 
 log = logging.getLogger("nodus.placer")
 
@@ -441,14 +441,11 @@ class Placer:
                 # A restart fences the old epoch first (G9): its members reach nobody any more,
                 # its machines are free again; then the next epoch is placed.
                 await self._teardown(key, old_epoch)
-            exclusions.nodes |= set(current.value.status.avoid)
             # Before planning: between a plan and its leases nothing may wait (the view
             # reserves the machines, so this replica's other placements skip them).
             epoch = await self._next_epoch(current.value)
             mesh = MeshIdentity()
-            plan, shortfalls = self.planner.plan(
-                current.value, self.view.free, exclusions, mesh.mesh_id
-            )
+            plan, shortfalls = self._plan_avoiding(current.value, exclusions, mesh.mesh_id)
             if plan is None:
                 self._waiting.add(key)
                 DECISIONS.labels("unschedulable").inc()
@@ -464,6 +461,22 @@ class Placer:
                 continue
         self._waiting.add(key)
         DECISIONS.labels("gave_up").inc()
+
+    def _plan_avoiding(
+        self, job: Job, exclusions: Exclusions, mesh_id: str
+    ) -> tuple[Plan | None, list[Shortfall]]:
+        """Plan without the machines the job lost or failed a probe on (`status.avoid`) while
+        others can take their place; when none can, a machine it avoids that is healthy and
+        free again (its repair done, its agent back) rather than waiting forever."""
+        avoided = set(job.status.avoid) - exclusions.nodes
+        avoiding = Exclusions(exclusions.nodes | avoided, exclusions.addresses)
+        plan, shortfalls = self.planner.plan(job, self.view.free, avoiding, mesh_id)
+        if plan is None and avoided:
+            plan, _ = self.planner.plan(job, self.view.free, exclusions, mesh_id)
+            if plan is not None:
+                again = sorted(avoided & {m.node for m in plan.members})
+                log.info("%s: placed on %s again: no other machine fits", job.key, again)
+        return plan, shortfalls
 
     async def _commit(
         self,

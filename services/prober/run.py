@@ -32,10 +32,12 @@ from libs.contracts.jobs import (
     with_condition,
 )
 from libs.contracts.lifecycle import LaunchReply, LaunchRequest, RankStatus, StopRequest
-from libs.contracts.relay import MemberPaths, UsageRecord
+from libs.contracts.relay import MemberPaths
 from libs.contracts.remediation import Alert, Remediation
 from libs.gangs import FAULT_BROKE_MEMBER, restart_gang
 from libs.runtime.tasks import TaskSet
+from services.prober.billing import LateUsage
+from services.prober.billing import relay_bytes as billed_relay_bytes
 from services.prober.metrics import DEGRADED, JOBS, forget_gang
 from services.prober.platform import platform_cause
 
@@ -67,6 +69,7 @@ class GangRun:
         self.tasks.spawn(self._watch_ranks(), name="watch-ranks")
         self.tasks.spawn(self._watch_paths(), name="watch-paths")
         self.tasks.spawn(self._count_phases(), name="count-phases")
+        self.tasks.spawn(LateUsage(self.bus).run(), name="late-usage")
 
     async def stop(self) -> None:
         await self.tasks.close()
@@ -271,7 +274,7 @@ class GangRun:
         # G17: Relayed traffic is billed; a Direct pair's fallback through the relays is not.
         if stored is None or stored.value.path is PathClass.RELAYED:
             await asyncio.sleep(USAGE_SETTLE_SECONDS)
-            relay_bytes = await self._relay_bytes(gang)
+            relay_bytes = await billed_relay_bytes(self.bus, gang)
 
         def finished(status: JobStatus) -> JobStatus:
             # A rank can end before the launch replies are all in and the run's start is set.
@@ -308,16 +311,6 @@ class GangRun:
                         )
                     except NodusError as error:
                         log.warning("stopping %s on %s: %s", gang, member.node, error)
-
-    async def _relay_bytes(self, gang: str) -> int:
-        """Every byte the relays metered for the gang, each record of the stream read."""
-        total = 0
-        for msg in await self.bus.replay(names.USAGE_STREAM, f"nodus.usage.*.{gang}"):
-            try:
-                total += msgspec.json.decode(msg.data, type=UsageRecord).bytes_sent
-            except msgspec.ValidationError:
-                continue
-        return total
 
 
 def boot_billed(status: JobStatus, t: datetime) -> Billing:

@@ -47,6 +47,7 @@ from libs.contracts.epochs import Epoch, Lease
 from libs.contracts.fleet import NodeHealth
 from libs.contracts.jobs import Job, Phase
 from libs.contracts.remediation import Action, Alert, AlertState, Policy, Remediation
+from services.prober.billing import SWEEP_SECONDS as LATE_USAGE_SWEEP_SECONDS
 from services.remediator import faults
 from tests.e2e.daemon_logs import DaemonLogs
 
@@ -340,7 +341,9 @@ class Chaos:
             if all(n in jobs and jobs[n].status.phase in FINAL for n in self.applied):
                 break
             await asyncio.sleep(1)
-        await asyncio.sleep(3)  # usage the relays metered last reaches the stream
+        # Usage the relays metered last reaches the stream, and a bill it changes is amended
+        # by the prober's next sweep.
+        await asyncio.sleep(3 + LATE_USAGE_SWEEP_SECONDS)
 
     # -- invariants ------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 
 from libs.bus import Bus
+from libs.bus.server import NatsServer
 from libs.client.client import Client
 from libs.contracts import names
 from libs.contracts.epochs import Epoch, JoinKeyGrant
@@ -100,3 +101,66 @@ async def test_a_lost_member_fences_the_epoch_and_the_gang_runs_again_without_it
         await prober.stop()
         for agent in agents.values():
             await agent.stop()
+
+
+async def test_a_gang_with_no_other_machine_goes_back_to_the_one_it_lost_once_it_is_back(
+    bus: Bus,
+    nats_server: NatsServer,
+    start_placer: StartPlacer,
+    placer_config: PlacerConfig,
+    tmp_path: Path,
+) -> None:
+    """Two machines, a gang of two: a lost member is avoided while another machine could take
+    its place; here none can, so once the machine is back (healthy, free) the gang runs on it
+    again rather than waiting Pending forever."""
+    vms = [
+        machine(
+            name, address=f"10.0.9.{i}", privateNetwork="vpc", privateAddress=f"127.0.2.{70 + i}"
+        )
+        for i, name in enumerate(["n-a", "n-b"])
+    ]
+    # Each agent on a connection of its own: a machine that goes away takes its endpoints along.
+    buses = [await Bus.open(nats_server.url, name=m.name, buckets=names.ALL_BUCKETS) for m in vms]
+    agents = {
+        m.name: Agent(own, m, heartbeat_seconds=0.3, state_dir=tmp_path / m.name)
+        for m, own in zip(vms, buses, strict=True)
+    }
+    for agent in agents.values():
+        await agent.start()
+    await start_placer(msgspec.structs.replace(placer_config, heartbeat_timeout_seconds=1.5))
+    prober = Prober(bus, "prober-test", sample_seconds=0.2, readiness_seconds=5)
+    await prober.start()
+    client = Client(bus)
+    try:
+        await client.apply(
+            job(
+                "pair",
+                org="acme",
+                command=[sys.executable, "-c", "import time; time.sleep(120)"],
+                distributed={"members": 2, "network": "Colocated"},
+            )
+        )
+
+        async def phase(epoch: int, wanted: Phase) -> bool:
+            current = await client.get_job("pair")
+            return current.status.phase is wanted and current.status.epoch == epoch
+
+        await eventually(lambda: phase(1, Phase.RUNNING), timeout=30)
+        lost = "n-a"
+        await agents.pop(lost).stop()
+        await buses[0].close()
+        await eventually(lambda: phase(1, Phase.PENDING), timeout=30)
+        buses[0] = await Bus.open(nats_server.url, name="n-a-again", buckets=names.ALL_BUCKETS)
+        agents[lost] = Agent(buses[0], vms[0], heartbeat_seconds=0.3, state_dir=tmp_path / lost)
+        await agents[lost].start()
+        await eventually(lambda: phase(2, Phase.RUNNING), timeout=30)
+        second = await client.get_job("pair")
+        assert second.status.gang is not None
+        assert {m.node for m in second.status.gang.members} == {"n-a", "n-b"}
+        assert lost in second.status.avoid  # still said: it was avoided while it could be
+    finally:
+        await prober.stop()
+        for agent in agents.values():
+            await agent.stop()
+        for own in buses:
+            await own.close()
