@@ -1,9 +1,10 @@
 """A bounded, seeded chaos run (issue 14), Jepsen-style: the real system (`LocalSystem` on a
 three-server NATS cluster, two placer replicas, the prober, the remediator and its monitor,
-two meshed relays, one agent per machine) runs jobs on the Private and Relayed paths while a
-repair is in flight, and a seeded loop SIGKILLs and restarts, in turn, a NATS server, a placer
-replica, the prober, the remediator, a relay and an agent, and pauses one process (SIGSTOP)
-for longer than its heartbeat. Afterwards it checks invariants, not timings:
+two meshed relays, one agent per machine) runs jobs on the Private, Relayed and Direct paths
+(Direct in the network-namespace lab, when this machine has it) while a repair is in flight,
+and a seeded loop SIGKILLs and restarts, in turn, a NATS server, a placer replica, the
+prober, the remediator, a relay and an agent, and pauses one process (SIGSTOP) for longer
+than its heartbeat. Afterwards it checks invariants, not timings:
 
 - every job applied is final, or Running with exactly one live epoch;
 - no machine is in two live epochs, and every lease names its job's live epoch;
@@ -38,6 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from app.demo import lab_unavailable
 from app.local import LocalSystem
 from libs.bus import Bus
 from libs.bus.server import NatsCluster
@@ -59,29 +61,56 @@ SETTLE_SECONDS = 150.0  # for every job applied to end, after the last fault
 GIB = float(1 << 30)
 
 
-def fleet() -> str:
-    """Four VMs on one VPC (Private gangs) and three container-only machines (Relayed)."""
+def fleet(netns: bool) -> str:
+    """Four VMs on one VPC (Private gangs), three container-only machines (Relayed) and, in
+    the network-namespace lab, three VMs of two providers without a private network, one
+    behind NAT (Direct, over nodus0). Without the lab every machine shares this host's
+    loopback, and there is no Direct gang (agents cannot each have a nodus0)."""
+    if netns:
+        vm, vpc, container = "198.18.1.{}", "198.18.101.{}", "198.19.5.{}"
+    else:
+        vm, vpc, container = "127.0.8.{}", "127.0.9.{}", "127.0.8.1{}"
+    interface = "ens5" if netns else "lo"
     rows = [
         f"  - {{name: h-{i}, provider: aws, region: us-east-1, regionClass: us, offering: vm,\n"
-        f"     address: 127.0.8.{i + 1}, privateNetwork: use1-vpc, "
-        f"privateAddress: 127.0.9.{i + 1},\n"
-        f"     privateInterface: lo, pool: pool-h{i}, cluster: c1,\n"
+        f"     address: {vm.format(i + 1)}, privateNetwork: use1-vpc, "
+        f"privateAddress: {vpc.format(i + 1)},\n"
+        f"     privateInterface: {interface}, pool: pool-h{i}, cluster: c1,\n"
         f"     accelerators: {{count: 8, backend: cuda, model: H100}}}}\n"
         for i in range(4)
     ] + [
         f"  - {{name: c-{i}, provider: vast, region: us-east-2, regionClass: us, "
         f"offering: container,\n"
-        f"     address: 127.0.8.{i + 11}, pool: pool-c{i}, cluster: c2,\n"
+        f"     address: {container.format(i + 1)}, nat: {str(netns).lower()}, pool: pool-c{i}, "
+        f"cluster: c2,\n"
         f"     accelerators: {{count: 1, backend: cuda, model: L4}}}}\n"
         for i in range(3)
     ]
+    if netns:
+        direct = [("lambda", "us-west-1", "198.18.3.1", False)]
+        direct += [("lambda", "us-west-1", "198.19.3.2", True)]
+        direct += [("crusoe", "us-central-1", "198.18.6.1", False)]
+        rows += [
+            f"  - {{name: d-{i}, provider: {provider}, region: {region}, regionClass: us, "
+            f"offering: vm,\n"
+            f"     address: {address}, nat: {str(nat).lower()}, pool: pool-d{i}, cluster: c3,\n"
+            f"     accelerators: {{count: 1, backend: cuda, model: A100}}}}\n"
+            for i, (provider, region, address, nat) in enumerate(direct)
+        ]
     return "machines:\n" + "".join(rows)
 
 
-def job(index: int) -> Job:
-    relayed = index % 2 == 1
-    accelerators = "{count: 1, model: L4}" if relayed else "{count: 8, model: H100}"
-    network, transport = ("Regional", "Auto") if relayed else ("Colocated", "Direct")
+# The three paths' jobs, applied in turn: (accelerators, network, transport).
+SHAPES = {
+    "private": ("{count: 8, model: H100}", "Colocated", "Direct"),
+    "relayed": ("{count: 1, model: L4}", "Regional", "Auto"),
+    "direct": ("{count: 1, model: A100}", "Regional", "Direct"),
+}
+
+
+def job(index: int, netns: bool) -> Job:
+    paths = ["private", "relayed", "direct"] if netns else ["private", "relayed"]
+    accelerators, network, transport = SHAPES[paths[index % len(paths)]]
     return parse_job(
         f"""
 apiVersion: nodus/v1
@@ -113,6 +142,7 @@ class FaultRecord:
 @dataclass
 class Report:
     seed: int
+    netns: bool = False  # machines in network namespaces, Direct gangs over nodus0
     faults: list[FaultRecord] = field(default_factory=list)
     jobs: dict[str, str] = field(default_factory=dict)  # name -> phase
     violations: list[str] = field(default_factory=list)
@@ -122,8 +152,12 @@ class Report:
 
 
 class Chaos:
-    def __init__(self, state: Path, seed: int, faults: int = len(KINDS)) -> None:
+    def __init__(
+        self, state: Path, seed: int, faults: int = len(KINDS), netns: bool | None = None
+    ) -> None:
         self.state = state
+        # The lab when this machine has what it needs (root, ip, nft, wireguard-go).
+        self.netns = lab_unavailable() is None if netns is None else netns
         self.seed = seed
         self.rng = random.Random(seed)
         self.fault_count = faults
@@ -135,7 +169,7 @@ class Chaos:
         self._placed: dict[str, datetime] = {}
         self.events: dict[str, bytes] = {}  # Nats-Msg-Id -> data, as a client saw them
         self.fenced_seen: set[str] = set()
-        self.report = Report(seed)
+        self.report = Report(seed, self.netns)
         self.started = 0.0
 
     # -- the run ---------------------------------------------------------------------------
@@ -143,7 +177,7 @@ class Chaos:
     async def run(self) -> Report:
         self.started = time.monotonic()
         self.state.mkdir(parents=True, exist_ok=True)
-        (self.state / "fleet.yaml").write_text(fleet())
+        (self.state / "fleet.yaml").write_text(fleet(self.netns))
         system = self.system = LocalSystem(
             fleet_path=self.state / "fleet.yaml",
             state_dir=self.state,
@@ -152,6 +186,7 @@ class Chaos:
             placers=2,
             heartbeat_seconds=HEARTBEAT_SECONDS,
             probe_seconds=1.0,
+            netns=self.netns,
         )
         await system.start()
         try:
@@ -194,7 +229,7 @@ class Chaos:
         index = 0
         while True:
             try:
-                await self.client.apply(job(index))
+                await self.client.apply(job(index, self.netns))
                 self.applied.append(f"chaos-{index}")
                 index += 1
             except Exception as error:  # the bus or the placer may be down: try again
