@@ -47,7 +47,7 @@ from libs.client.client import Client, parse_job
 from libs.contracts import names
 from libs.contracts.epochs import Epoch, Lease
 from libs.contracts.fleet import NodeHealth
-from libs.contracts.jobs import Job, Phase
+from libs.contracts.jobs import Job, PathClass, Phase
 from libs.contracts.remediation import Action, Alert, AlertState, Policy, Remediation
 from services.prober.billing import SWEEP_SECONDS as LATE_USAGE_SWEEP_SECONDS
 from services.remediator import faults
@@ -473,6 +473,11 @@ class Chaos:
                 continue
             billed = found.status.billing.mesh_relay_gi_b * GIB
             metered = float(usage.get(found.key, 0))
+            gang = found.status.gang
+            if gang is not None and gang.transport is PathClass.DIRECT:
+                # G17: a Direct pair's bytes through the relays (before its holes punched,
+                # or a fallback) are metered, not billed.
+                metered = 0.0
             if metered == 0 and billed == 0:
                 continue
             if abs(billed - metered) > BILLING_TOLERANCE * max(metered, billed):
