@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -38,8 +39,40 @@ def nats_server_binary() -> str:
     )
 
 
+_handed_out: set[int] = set()  # ports this process gave; each once
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
+    """A port nothing listens on, for a daemon that binds it a moment later. Taken outside the
+    kernel's ephemeral range: a port from inside it (what binding port 0 gives) can be handed
+    to any outgoing connection in that moment, and the daemon's bind then fails ("Address
+    already in use"). Room is left above it for a cluster's route port (+2000)."""
+    low, high = _ephemeral_range()
+    if low - 2048 - 10000 >= 4096:
+        candidates = range(10000, low - 2048)
+    else:
+        candidates = range(high + 1, 63000)
+    start = random.randrange(len(candidates))
+    for step in range(len(candidates)):
+        port = candidates[(start + step) % len(candidates)]
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as sock:  # every candidate taken: the kernel's choice
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
