@@ -177,7 +177,13 @@ class Bus:
             return []
         messages: list[Msg] = []
         deadline = asyncio.get_running_loop().time() + timeout
-        sub = await self.js.subscribe(subject, ordered_consumer=True)
+        # The consumer's creation is a JetStream request too: a server failing over may let
+        # it time out, and an ordered consumer is made afresh each try (nothing to double).
+        sub = await retrying(
+            lambda: self.js.subscribe(subject, stream=stream, ordered_consumer=True),
+            f"read {subject}",
+            self.nc,
+        )
         try:
             while len(messages) < expected:
                 try:

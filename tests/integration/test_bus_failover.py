@@ -2,7 +2,8 @@
 clustered with JetStream, buckets and streams with 3 replicas; while a client counts with
 compare-and-set writes and publishes events, the stream leader and then the server the client
 is connected to are SIGKILLed and started again. No write is lost, none applied twice, no event
-published twice, and a watch that was open sees the end."""
+published twice, a watch that was open sees the end, and a replay begun as a server dies reads
+every message."""
 
 from __future__ import annotations
 
@@ -96,6 +97,10 @@ async def test_counting_through_the_loss_of_a_server_loses_nothing_and_doubles_n
         port = connected.port
         own = next(i for i, s in enumerate(cluster.servers) if s.port == port)
         cluster.kill(own)  # the server this client talks to: it moves to another
+        # A replay begun at once (the prober's bill, `nodus usage`) reads every message: its
+        # consumer is made while the client is still reconnecting.
+        replayed = await bus.replay(STREAM, "failover.>")
+        assert len(replayed) == published == 200
         await count_to(300)
         cluster.restart(own)
         await count_to(350)
