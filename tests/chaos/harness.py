@@ -218,6 +218,11 @@ class Chaos:
         self.report.seconds = round(time.monotonic() - self.started, 1)
         return self.report
 
+    def stop(self) -> None:
+        """Stop everything the run started; again is harmless (the run stops it itself)."""
+        if self.system is not None:
+            self.system.stop()
+
     async def _put_policy(self, policy: Policy) -> None:
         assert self.client is not None
         bus = self.client.bus
@@ -504,6 +509,8 @@ def _now() -> datetime:
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    # Once: a second SIGTERM (`timeout` passes its own on) must not cut the stopping short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -521,7 +528,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = []
     for seed in seeds:
         with tempfile.TemporaryDirectory(prefix=f"nodus-chaos-{seed}-") as state:
-            report = asyncio.run(Chaos(Path(state), seed, args.faults).run())
+            chaos = Chaos(Path(state), seed, args.faults)
+            try:
+                report = asyncio.run(chaos.run())
+            finally:
+                chaos.stop()  # what an interrupted run left: processes, namespaces
             if report.violations and args.keep:
                 shutil.copytree(state, args.keep / str(seed), dirs_exist_ok=True)
         print(json.dumps(asdict(report), indent=1), flush=True)

@@ -17,7 +17,11 @@ SEED = 1
 
 @pytest.mark.timeout(600)
 async def test_every_job_and_every_byte_survive_any_one_process_dying(tmp_path: Path) -> None:
-    report = await Chaos(tmp_path / "state", SEED).run()
+    chaos = Chaos(tmp_path / "state", SEED)
+    try:
+        report = await chaos.run()
+    finally:
+        chaos.stop()  # a run cut short (the timeout) leaves nothing behind
     print(json.dumps(asdict(report), indent=1))
     assert report.faults and len({f.kind for f in report.faults}) == len(report.faults)
     assert report.jobs, "no job ran"
