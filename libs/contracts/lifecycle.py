@@ -42,6 +42,9 @@ class ProbeRecord(Record):
     instance: str = ""  # the holder's process: a replica restarted under its name is another
     heartbeat_time: datetime | None = None
     attempt: int = 1  # 1 + the takeovers of this epoch's probe
+    # Its holder stopped (an upgrade, a drain) before it ended: another replica takes it over
+    # at once instead of waiting for the heartbeat to age.
+    released: bool = False
 
 
 class RankStatus(Record):

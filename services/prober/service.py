@@ -96,9 +96,32 @@ class Prober:
         self.tasks.spawn(self._sweep(caught_up), name="takeover-sweep")
         log.info("prober %s ready", self.replica)
 
-    async def stop(self) -> None:
+    async def stop(self, release: bool = True) -> None:
+        """Stop; what it was probing is released to the other replicas (`release=False`: as
+        a process that died would leave it, for the takeover tests)."""
+        held = list(self._active) if release else []
         await self.tasks.close()
         await self.run.stop()
+        for gang, epoch in held:
+            await self._release(gang, epoch)
+
+    async def _release(self, gang: str, epoch: int) -> None:
+        """A probe this replica stops holding mid-way is offered to the others at once."""
+
+        def release(record: ProbeRecord) -> ProbeRecord:
+            return msgspec.structs.replace(record, released=True)
+
+        guarded = self._held(release)
+        try:
+            released = await self.probes.mutate(
+                names.epoch_key(gang, epoch),
+                lambda r: guarded(r) if r is not None and r.state == "Running" else None,
+            )
+        except (NodusError, nats.errors.Error, OSError, TimeoutError) as error:
+            log.info("%s epoch %d: probe not released (it ages out): %s", gang, epoch, error)
+            return
+        if released is not None:
+            log.info("%s epoch %d: probe released for another replica", gang, epoch)
 
     # -- watching ------------------------------------------------------------------------------
 
@@ -156,6 +179,8 @@ class Prober:
         held = current.value
         if held.prober == self.replica and held.instance != self.instance:
             why = "its previous run"
+        elif held.released:
+            why = "it stopped and released it"
         else:
             silent = (t - (held.heartbeat_time or held.started_time)).total_seconds()
             if silent <= self.takeover_seconds:

@@ -1,7 +1,8 @@
 """Prober replicas take over from one that died (R14): an epoch left Probing is probed again from
 the start by exactly one other replica, and rank exits that happened while no prober was up
 still conclude the job, billed once. The prober that dies is stopped without any cleanup, so
-its probe record is left Running with a heartbeat that is no longer renewed."""
+its probe record is left Running with a heartbeat that is no longer renewed; one stopped on
+purpose releases its probe, taken over at once."""
 
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ async def test_an_epoch_left_probing_is_taken_over_by_exactly_one_other_replica(
         assert held is not None and held.prober == "prober-a" and held.state == "Running"
         for other in others:  # two replicas that will race for the takeover
             await other.start()
-        await first.stop()  # dies mid-probe: the record stays Running, its heartbeat ages
+        await first.stop(release=False)  # dies mid-probe: the record stays Running, aging
 
         done = await wait_phase(client, "taken", Phase.SUCCEEDED, timeout=60)
         record = await client.probe(done)
@@ -183,3 +184,37 @@ async def test_ranks_that_end_while_no_prober_is_up_conclude_the_job_when_one_st
         await first.stop()
         if later is not None:
             await later.stop()
+
+
+async def test_a_prober_stopped_on_purpose_hands_its_probe_over_at_once(
+    bus: Bus, client: Client
+) -> None:
+    """An upgrade or a drain stops a replica mid-probe: it releases what it holds, and another
+    replica probes the epoch again without waiting out a (here 60 s) takeover window."""
+    window = 60.0
+    first = Prober(
+        bus, "prober-a", sample_seconds=1.0, readiness_seconds=5, takeover_seconds=window
+    )
+    second = Prober(
+        bus, "prober-b", sample_seconds=1.0, readiness_seconds=5, takeover_seconds=window
+    )
+    await first.start()
+    try:
+        await client.apply(
+            job(
+                "handed",
+                org="acme",
+                command=[sys.executable, "-c", "pass"],
+                distributed={"members": 2, "network": "Colocated"},
+            )
+        )
+        await wait_phase(client, "handed", Phase.PROBING)
+        await second.start()
+        await first.stop()
+        done = await wait_phase(client, "handed", Phase.SUCCEEDED, timeout=window / 2)
+        record = await client.probe(done)
+        assert record is not None and record.prober == "prober-b" and record.attempt == 2, record
+        assert not record.released
+    finally:
+        await first.stop()
+        await second.stop()
