@@ -148,6 +148,10 @@ class JobStatus(Record):
     finished_time: datetime | None = None
     # Machines a re-placement avoids: a pair that failed its probe, a member that was lost.
     avoid: list[str] = []
+    # Of those, the members it lost (gone silent, a fault, a new boot): when no other machine
+    # fits, the gang goes back to one that is healthy and free again rather than waiting for
+    # ever (R16). A probe's suspect stays avoided (G12: re-placed without that pair).
+    lost: list[str] = []
     # Set when a transport: Auto gang's direct path failed its probe: it continues as Relayed.
     path_override: PathClass | None = None
     # Epochs whose ranks were started: the next epoch's ranks are a restart if it is > 0, and

@@ -35,7 +35,12 @@ async def restart_gang(
         if job.status.phase not in RUNNING_PHASES:
             return None
         status = with_condition(job.status, ConditionType.GANG_READY, "False", reason, message, t)
-        status = msgspec.structs.replace(status, phase=Phase.PENDING, avoid=[*status.avoid, node])
+        status = msgspec.structs.replace(
+            status,
+            phase=Phase.PENDING,
+            avoid=[*status.avoid, node],
+            lost=[*status.lost, node],
+        )
         return msgspec.structs.replace(job, status=status)
 
     try:

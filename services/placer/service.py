@@ -355,7 +355,10 @@ class Placer:
                     job.status, ConditionType.GANG_READY, "False", "MemberLost", message, t
                 )
                 status = msgspec.structs.replace(
-                    status, phase=Phase.PENDING, avoid=[*status.avoid, *lost]
+                    status,
+                    phase=Phase.PENDING,
+                    avoid=[*status.avoid, *lost],
+                    lost=[*status.lost, *lost],
                 )
                 return msgspec.structs.replace(job, status=status)
 
@@ -466,15 +469,18 @@ class Placer:
         self, job: Job, exclusions: Exclusions, mesh_id: str
     ) -> tuple[Plan | None, list[Shortfall]]:
         """Plan without the machines the job lost or failed a probe on (`status.avoid`) while
-        others can take their place; when none can, a machine it avoids that is healthy and
-        free again (its repair done, its agent back) rather than waiting forever."""
+        others can take their place; when none can, a member it lost that is healthy and free
+        again (its repair done, its agent back) rather than waiting for ever. A probe's
+        suspect is never used again (G12)."""
         avoided = set(job.status.avoid) - exclusions.nodes
+        lost = avoided & set(job.status.lost)
         avoiding = Exclusions(exclusions.nodes | avoided, exclusions.addresses)
         plan, shortfalls = self.planner.plan(job, self.view.free, avoiding, mesh_id)
-        if plan is None and avoided:
-            plan, _ = self.planner.plan(job, self.view.free, exclusions, mesh_id)
+        if plan is None and lost:
+            only_suspects = Exclusions(exclusions.nodes | (avoided - lost), exclusions.addresses)
+            plan, _ = self.planner.plan(job, self.view.free, only_suspects, mesh_id)
             if plan is not None:
-                again = sorted(avoided & {m.node for m in plan.members})
+                again = sorted(lost & {m.node for m in plan.members})
                 log.info("%s: placed on %s again: no other machine fits", job.key, again)
         return plan, shortfalls
 

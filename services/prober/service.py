@@ -493,7 +493,10 @@ class Prober:
                 status, ConditionType.NETWORK_QUALIFIED, "False", "ProbeFailed", reason, t
             )
             return msgspec.structs.replace(
-                status, phase=Phase.PENDING, avoid=[*status.avoid, suspect]
+                status,
+                phase=Phase.PENDING,
+                avoid=[*status.avoid, suspect],
+                lost=[n for n in status.lost if n != suspect],  # avoided for good now (G12)
             )
 
         if await update_job(self.jobs, gang, epoch, again, {Phase.PROBING}):

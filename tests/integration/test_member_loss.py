@@ -158,6 +158,7 @@ async def test_a_gang_with_no_other_machine_goes_back_to_the_one_it_lost_once_it
         assert second.status.gang is not None
         assert {m.node for m in second.status.gang.members} == {"n-a", "n-b"}
         assert lost in second.status.avoid  # still said: it was avoided while it could be
+        assert second.status.lost == [lost]  # lost, not a probe's suspect: it may come back
     finally:
         await prober.stop()
         for agent in agents.values():
