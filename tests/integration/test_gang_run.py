@@ -302,7 +302,9 @@ async def test_an_auto_gang_whose_direct_path_fails_continues_as_relayed(
     for agent in agents:
         await agent.start()
     await start_placer(msgspec.structs.replace(placer_config, shim_path=str(SHIM_PATH)))
-    prober = Prober(bus, "prober-test", sample_seconds=0.3, readiness_seconds=2)
+    # Long enough for the Relayed epoch's tunnels to come up on a loaded machine (2 s was
+    # not, in CI: "No route to host" and a third epoch); the Direct epoch fails after it.
+    prober = Prober(bus, "prober-test", sample_seconds=0.3, readiness_seconds=6)
     await prober.start()
     client = Client(bus)
     try:
