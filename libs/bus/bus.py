@@ -93,17 +93,19 @@ class Bus:
     async def ensure_stream(self, name: str, subjects: list[str]) -> None:
         try:
             try:
-                await self.js.stream_info(name)
+                await retrying(lambda: self.js.stream_info(name), f"open {name}", self.nc)
             except nats.js.errors.NotFoundError:
-                await self.js.add_stream(
-                    StreamConfig(
-                        name=name,
-                        subjects=subjects,
-                        storage=StorageType.FILE,
-                        duplicate_window=120.0,
-                        num_replicas=self.replicas,
-                    )
+                config = StreamConfig(
+                    name=name,
+                    subjects=subjects,
+                    storage=StorageType.FILE,
+                    duplicate_window=120.0,
+                    num_replicas=self.replicas,
                 )
+                try:
+                    await retrying(lambda: self.js.add_stream(config), f"create {name}", self.nc)
+                except nats.js.errors.BadRequestError:
+                    await self.js.stream_info(name)  # made by another process, or a lost answer
         except NodusError:
             raise
         except Exception as error:
@@ -111,20 +113,23 @@ class Bus:
 
     async def ensure_bucket(self, name: str) -> None:
         try:
+            # A daemon that starts while a server fails over waits for the bus (S4), as
+            # every later call does; a refusal (S1) is not retried.
             try:
-                kv = await self.js.key_value(name)
+                kv = await retrying(lambda: self.js.key_value(name), f"open {name}", self.nc)
             except nats.js.errors.BucketNotFoundError:
+                config = KeyValueConfig(
+                    bucket=name,
+                    history=BUCKET_HISTORY.get(name, 1),
+                    storage=StorageType.FILE,
+                    # Reads by key name the key in the API subject: NATS
+                    # permissions can then confine a reader to its keys (S1).
+                    direct=True,
+                    replicas=self.replicas,
+                )
                 try:
-                    kv = await self.js.create_key_value(
-                        KeyValueConfig(
-                            bucket=name,
-                            history=BUCKET_HISTORY.get(name, 1),
-                            storage=StorageType.FILE,
-                            # Reads by key name the key in the API subject: NATS
-                            # permissions can then confine a reader to its keys (S1).
-                            direct=True,
-                            replicas=self.replicas,
-                        )
+                    kv = await retrying(
+                        lambda: self.js.create_key_value(config), f"create {name}", self.nc
                     )
                 except nats.js.errors.BadRequestError:
                     kv = await self.js.key_value(name)  # another process created it first

@@ -193,8 +193,12 @@ class Bucket(Generic[T]):
     async def _matches_anything(self, keys: str) -> bool:
         """Does any key (live or deleted) match? nats-py's end-of-initial-values marker can
         arrive before an in-flight first value, so emptiness is asked of the stream instead."""
-        info = await self._kv._js.stream_info(
-            f"KV_{self.name}", subjects_filter=f"$KV.{self.name}.{keys}"
+        info = await retrying(
+            lambda: self._kv._js.stream_info(
+                f"KV_{self.name}", subjects_filter=f"$KV.{self.name}.{keys}"
+            ),
+            f"count {self.name}",
+            self._nc,
         )
         return bool(info.state.subjects)
 
@@ -204,7 +208,9 @@ class Bucket(Generic[T]):
         if not await self._matches_anything(keys):
             return result
         # A short inactivity threshold: the server drops this one-shot consumer soon after.
-        watcher = await self._kv.watch(keys, inactive_threshold=5.0)
+        watcher = await retrying(
+            lambda: self._kv.watch(keys, inactive_threshold=5.0), f"read {self.name}", self._nc
+        )
         try:
             while True:
                 entry = await watcher.updates(timeout=5.0)
@@ -230,7 +236,10 @@ class Bucket(Generic[T]):
         """Current values, then every change in order; a delete arrives with value None.
         `caught_up` is set once the current values have all been delivered."""
         expect_values = caught_up is not None and await self._matches_anything(keys)
-        watcher = await self._kv.watch(keys, include_history=history)
+        # Made again on each try: a watch is an ordered consumer, nothing to double.
+        watcher = await retrying(
+            lambda: self._kv.watch(keys, include_history=history), f"watch {self.name}", self._nc
+        )
         try:
             async for entry in watcher:
                 if entry is None:  # nats-py's marker: trusted only when nothing matched

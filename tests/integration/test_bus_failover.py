@@ -90,6 +90,12 @@ async def test_counting_through_the_loss_of_a_server_loses_nothing_and_doubles_n
         assert leader is not None
         victim = _index(leader.leader)
         cluster.kill(victim)  # the bucket's leader: the others elect a new one
+        # A daemon that starts at this moment (a rebooted machine's agent) opens its buckets
+        # and streams once the bus answers, rather than dying at start.
+        starting = await Bus.open(
+            cluster.url, credentials=cluster.credentials, buckets=[BUCKET], streams=True
+        )
+        await starting.close()
         await count_to(200)
         cluster.restart(victim)
         connected = bus.nc.connected_url
