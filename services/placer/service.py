@@ -268,8 +268,10 @@ class Placer:
             if job is None or job.status.phase is not Phase.PENDING:
                 continue
             if job.status.placed_by == self.replica:
-                if job.status.epoch and change.key not in self._in_flight:
-                    # Sent back for a new epoch (probe failed, member lost).
+                if change.key not in self._in_flight:
+                    # Sent back for a new epoch (probe failed, member lost), or left Pending
+                    # by this replica's previous life, killed mid-placement (chaos seed
+                    # 276742): nobody else will place it.
                     self._enqueue(change.key)
                 continue
             asyncio.get_running_loop().call_later(

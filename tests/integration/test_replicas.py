@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import msgspec
+
 from libs.bus import Bus
 from libs.bus.server import NatsServer
 from libs.client.client import Client
@@ -109,3 +111,25 @@ async def test_an_epoch_torn_down_before_its_job_said_placed_is_never_reused(
     assert found.status.epoch == 2
     first = await bus.bucket(names.BUCKET_EPOCHS, Epoch).get("acme.torn.1")
     assert first is not None and first.value.fenced  # fenced stays fenced
+
+
+async def test_a_replica_killed_mid_placement_places_its_pending_job_when_it_is_back(
+    bus: Bus, start_placer: StartPlacer
+) -> None:
+    """A replica admitted a job and died before it said Placed; it comes back under its name
+    (a systemd restart): the job, Pending with placedBy its name and no epoch yet, is placed
+    (found by the chaos run: such a job stayed Pending for ever)."""
+    fleet = [machine(f"k{i}", address=f"10.0.1.{i + 1}") for i in range(2)]
+    await register(bus, [node_record(m) for m in fleet])
+    spec = job("orphan", distributed={"members": 2, "network": "Colocated"})
+    left = msgspec.structs.replace(
+        spec, status=msgspec.structs.replace(spec.status, placed_by="placer-k", created_time=now())
+    )
+    await bus.bucket(names.BUCKET_JOBS, Job).put(left.key, left)
+    await start_placer(replica="placer-k")
+    client = Client(bus)
+
+    async def placed() -> bool:
+        return (await client.get_job("orphan")).status.phase is Phase.PLACED
+
+    await eventually(placed)
