@@ -60,7 +60,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         candidates = range(10000, low - 2048)
     else:
         candidates = range(high + 1, 63000)
-    start = random.randrange(len(candidates))
+    start = random.randrange(len(candidates)) if candidates else 0
     for step in range(len(candidates)):
         port = candidates[(start + step) % len(candidates)]
         if port in _handed_out:

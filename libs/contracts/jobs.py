@@ -36,6 +36,9 @@ class Phase(StrEnum):
     FAILED = "Failed"
 
 
+FINISHED_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+
+
 class ConditionType(StrEnum):
     ADMITTED = "Admitted"
     GANG_READY = "GangReady"

@@ -13,12 +13,26 @@ import msgspec
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
-from libs.contracts.jobs import ConditionType, Job, JobEvent, Phase, with_condition
+from libs.contracts.jobs import ConditionType, Job, JobEvent, JobStatus, Phase, with_condition
 
 log = logging.getLogger("nodus.gangs")
 RUNNING_PHASES = (Phase.PLACED, Phase.PROBING, Phase.RUNNING)
 NODE_REPAIR = "NodeRepair"  # R16: a repair interrupts the gang
 FAULT_BROKE_MEMBER = "FaultBrokeMember"  # R17: a fault took away what a member runs on
+
+
+def without_members(
+    status: JobStatus, nodes: list[str], reason: str, message: str, t: datetime
+) -> JobStatus:
+    """Back to placement without `nodes`, which it lost: avoided while another machine fits,
+    used again when none does once they are healthy and free (`status.lost`)."""
+    status = with_condition(status, ConditionType.GANG_READY, "False", reason, message, t)
+    return msgspec.structs.replace(
+        status,
+        phase=Phase.PENDING,
+        avoid=[*status.avoid, *nodes],
+        lost=[*status.lost, *nodes],
+    )
 
 
 async def restart_gang(
@@ -34,13 +48,7 @@ async def restart_gang(
             return None
         if job.status.phase not in RUNNING_PHASES:
             return None
-        status = with_condition(job.status, ConditionType.GANG_READY, "False", reason, message, t)
-        status = msgspec.structs.replace(
-            status,
-            phase=Phase.PENDING,
-            avoid=[*status.avoid, node],
-            lost=[*status.lost, node],
-        )
+        status = without_members(job.status, [node], reason, message, t)
         return msgspec.structs.replace(job, status=status)
 
     try:

@@ -31,6 +31,7 @@ from libs.contracts.epochs import (
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.jobs import (
+    FINISHED_PHASES,
     ConditionType,
     Estimate,
     GangMember,
@@ -44,6 +45,7 @@ from libs.contracts.jobs import (
 )
 from libs.contracts.placer import PlacerConfig
 from libs.contracts.qualify import Qualification
+from libs.gangs import without_members
 from libs.mesh import MeshIdentity
 from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.runtime.version import VERSION
@@ -66,7 +68,6 @@ FREE_NODES = Gauge("nodus_placer_free_nodes", "Live, healthy machines no gang ho
 WAITING_JOBS = Gauge("nodus_placer_waiting_jobs", "Admitted jobs waiting for capacity")
 
 ACTIVE = {Phase.PLACED, Phase.PROBING, Phase.RUNNING}
-FINISHED = {Phase.SUCCEEDED, Phase.FAILED}
 STALE_SWEEP_TICKS = 15  # seconds between stale-lease sweeps
 STALE_LEASE_SECONDS = 30.0  # a commit never takes this long; older orphans are freed
 
@@ -263,7 +264,7 @@ class Placer:
                 )
             else:
                 self._active.pop(change.key, None)
-            if job is not None and job.status.phase in FINISHED and job.status.epoch:
+            if job is not None and job.status.phase in FINISHED_PHASES and job.status.epoch:
                 self._finished(job)
             if job is None or job.status.phase is not Phase.PENDING:
                 continue
@@ -353,15 +354,7 @@ class Placer:
             ) -> Job | None:
                 if job is None or job.status.epoch != epoch or job.status.phase not in ACTIVE:
                     return None
-                status = with_condition(
-                    job.status, ConditionType.GANG_READY, "False", "MemberLost", message, t
-                )
-                status = msgspec.structs.replace(
-                    status,
-                    phase=Phase.PENDING,
-                    avoid=[*status.avoid, *lost],
-                    lost=[*status.lost, *lost],
-                )
+                status = without_members(job.status, lost, "MemberLost", message, t)
                 return msgspec.structs.replace(job, status=status)
 
             self._active.pop(key, None)
@@ -474,13 +467,13 @@ class Placer:
         others can take their place; when none can, a member it lost that is healthy and free
         again (its repair done, its agent back) rather than waiting for ever. A probe's
         suspect is never used again (G12)."""
-        avoided = set(job.status.avoid) - exclusions.nodes
+        avoided = set(job.status.avoid)
         lost = avoided & set(job.status.lost)
-        avoiding = Exclusions(exclusions.nodes | avoided, exclusions.addresses)
+        avoiding = Exclusions(avoided, exclusions.addresses)
         plan, shortfalls = self.planner.plan(job, self.view.free, avoiding, mesh_id)
         if plan is None and lost:
-            only_suspects = Exclusions(exclusions.nodes | (avoided - lost), exclusions.addresses)
-            plan, _ = self.planner.plan(job, self.view.free, only_suspects, mesh_id)
+            suspects = Exclusions(avoided - lost, exclusions.addresses)
+            plan, _ = self.planner.plan(job, self.view.free, suspects, mesh_id)
             if plan is not None:
                 again = sorted(lost & {m.node for m in plan.members})
                 log.info("%s: placed on %s again: no other machine fits", job.key, again)

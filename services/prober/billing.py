@@ -23,7 +23,8 @@ from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.epochs import Epoch
 from libs.contracts.errors import NodusError
-from libs.contracts.jobs import Billing, Job, JobEvent, PathClass, Phase
+from libs.contracts.jobs import FINISHED_PHASES as FINAL
+from libs.contracts.jobs import Billing, Job, JobEvent, PathClass
 from libs.contracts.relay import UsageRecord
 
 log = logging.getLogger("nodus.prober.billing")
@@ -32,7 +33,6 @@ SWEEP_SECONDS = 5.0
 # At start, finished jobs this recent are checked once (a record may have come while no
 # prober ran); older bills stand unless a new record for them arrives.
 RECENT_AT_START = timedelta(minutes=30)
-FINAL = (Phase.SUCCEEDED, Phase.FAILED)
 USAGE_PREFIX = "nodus.usage."
 
 

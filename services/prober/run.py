@@ -46,8 +46,6 @@ PLATFORM_GRACE_SECONDS = 5.0
 
 log = logging.getLogger("nodus.prober")
 
-CONCLUDE_ATTEMPTS = 5  # each on top of the bus's own retries of every call
-CONCLUDE_RETRY_SECONDS = 2.0
 USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (1 s) plus delivery
 
 RUNS = Counter("nodus_prober_runs_total", "Gang runs by outcome", ["outcome"])
@@ -130,7 +128,7 @@ class GangRun:
                 # One task per exit: a check that runs while another rank exits must not be
                 # the last one (the job's compare-and-set lets one of them conclude).
                 self.tasks.spawn(
-                    self._conclude_surely(status.gang, status.epoch),
+                    self._conclude(status.gang, status.epoch),
                     name=f"conclude {status.gang}.{status.epoch}",
                 )
 
@@ -185,19 +183,6 @@ class GangRun:
         if found and await update_job(self.jobs, gang, epoch, degraded, {Phase.RUNNING}):
             DEGRADED.labels(gang).set(1 if slow else 0)  # running gangs only (forget_gang)
             log.info("%s epoch %d: NetworkDegraded=%s: %s", gang, epoch, state, message)
-
-    async def _conclude_surely(self, gang: str, epoch: int) -> None:
-        """`_conclude`, tried again while the bus is failing over: this exit may be the last
-        one, and no other event would end the job."""
-        for attempt in range(1, CONCLUDE_ATTEMPTS + 1):
-            try:
-                await self._conclude(gang, epoch)
-                return
-            except (NodusError, NatsError, OSError, TimeoutError) as error:
-                if attempt == CONCLUDE_ATTEMPTS:
-                    raise
-                log.warning("%s epoch %d: not concluded yet (%s); trying again", gang, epoch, error)
-                await asyncio.sleep(CONCLUDE_RETRY_SECONDS)
 
     async def _conclude(self, gang: str, epoch: int) -> None:
         job = await self.jobs.get(gang)

@@ -47,13 +47,13 @@ from libs.client.client import Client, parse_job
 from libs.contracts import names
 from libs.contracts.epochs import Epoch, Lease
 from libs.contracts.fleet import NodeHealth
+from libs.contracts.jobs import FINISHED_PHASES as FINAL
 from libs.contracts.jobs import Job, PathClass, Phase
 from libs.contracts.remediation import Action, Alert, AlertState, Policy, Remediation
 from services.prober.billing import SWEEP_SECONDS as LATE_USAGE_SWEEP_SECONDS
 from services.remediator import faults
 from tests.e2e.daemon_logs import DaemonLogs
 
-FINAL = (Phase.SUCCEEDED, Phase.FAILED)
 KINDS = ("nats", "placer", "prober", "remediator", "relay", "agent", "pause")
 HEARTBEAT_SECONDS = 1.0
 BILLING_TOLERANCE = 0.001
