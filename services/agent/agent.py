@@ -30,6 +30,7 @@ from libs.mesh import verify_join_key
 from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.runtime.version import VERSION as AGENT_VERSION
 from libs.wg import generate_private_key, key_to_base64, public_key
+from services.agent.boot import BootIdentity, machine_boot, new_lab_boot
 from services.agent.direct import DirectMember
 from services.agent.gangwork import GangWork
 from services.agent.inventory import Described, capabilities_of, inventory_of
@@ -76,7 +77,9 @@ class Agent:
         # machine, or a machine of the lab); agents that share one namespace cannot.
         self.nodus0 = nodus0 and self.inventory.offering == "vm"
         self.port_rules = port_rules  # on a private network: its rules are this agent's (G22)
-        self.boot_id = str(uuid.uuid4())  # a simulated machine boots when its agent starts
+        # The kernel's boot on a real machine; a lab machine's own, kept in its state directory
+        # (O4): an agent started again on the same boot re-adopts what it left running.
+        self.boot = machine_boot(isinstance(machine, Machine), state_dir)
         self.socks_endpoint = socks_endpoint or "127.0.0.1:1080"
         self.tunnel_buffer_limit_bytes = tunnel_buffer_limit_bytes
         self.nodes = bus.bucket(names.BUCKET_NODES, NodeRecord)
@@ -95,6 +98,7 @@ class Agent:
         self._starting = TaskSet("agent dataplane start", log)
         self._start_tasks: dict[str, asyncio.Task[None]] = {}  # joinkey key -> its start
         self._tasks: list[asyncio.Task[None]] = []
+        self.state_dir = state_dir
         state = state_dir or Path(tempfile.gettempdir()) / "nodus" / self.node
         self.gangs = GangWork(
             bus,
@@ -148,7 +152,7 @@ class Agent:
                 ),
             ],
         )
-        await self.gangs.runner.stop_previous_boot()
+        await self.gangs.runner.resume(self.boot)
         await self.nodes.put(self.node, self.record())
         await self._beat()
         self._tasks = [
@@ -172,14 +176,26 @@ class Agent:
         self.direct.clear()
         self.private.clear()
 
+    @property
+    def boot_id(self) -> str:
+        return self.boot.boot_id
+
     async def reboot(self, _: RebootRequest) -> RebootReply:
-        """The lab's machine boots again: the agent restarts, and registers with a new boot id
-        (the answer goes first, so the provider knows the boot began)."""
-        if self.restart is not None:
+        """The lab's machine boots again: a new boot id in its state directory, and the agent
+        restarts; the new agent stops what the old boot ran and registers with the new id (the
+        answer goes first, so the provider knows the boot began). A real machine is rebooted
+        by its pool's provider, not by this request."""
+        if not self.boot.simulated:
+            raise NodusError(
+                ErrorCode.INVALID,
+                f"{self.node} is a real machine: its pool's provider reboots it, not the lab's",
+            )
+        if self.restart is not None and self.state_dir is not None:
             log.info("agent %s reboots: its ranks and tunnels stop, it starts again", self.node)
+            new_lab_boot(self.state_dir)
             asyncio.get_running_loop().call_later(0.05, self.restart)
             return RebootReply(node=self.node, boot_id="")
-        self.boot_id = str(uuid.uuid4())
+        self.boot = BootIdentity(str(uuid.uuid4()), simulated=True)
         await self.nodes.put(self.node, self.record())
         await self._beat()
         return RebootReply(node=self.node, boot_id=self.boot_id)

@@ -237,8 +237,13 @@ class GangWork:
             await server.stop()
         return await self.runner.stop(gang, epoch)
 
-    async def close(self) -> None:
+    async def close(self, keep_ranks: bool = False) -> None:
+        """Stop serving probes, and stop the ranks, or, when the agent stops but the machine
+        does not (an upgrade, O4), leave them running for the next agent to adopt."""
         for server in self.servers.values():
             await server.stop()
         self.servers.clear()
-        await self.runner.stop_all()
+        if keep_ranks:
+            await self.runner.release()
+        else:
+            await self.runner.stop_all()

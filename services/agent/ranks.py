@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -16,17 +17,23 @@ from libs.bus import Bucket
 from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.lifecycle import RankStatus
+from libs.runtime.tasks import cancel_and_wait
+from services.agent.boot import BootIdentity
 
 log = logging.getLogger("nodus.agent.ranks")
 
+KEEPER = str(Path(__file__).with_name("rankkeeper.py"))  # run by path: `-I`, no imports of ours
+
 
 class RankProcess(msgspec.Struct):
-    """A running rank's process as the machine's disk remembers it (`<rank key>.pid` beside its
-    log), so that an agent starting again finds the ranks of its previous boot."""
+    """A running rank as the machine's disk remembers it (`<rank key>.pid` beside its log), so
+    that an agent starting again finds it: the rank's keeper (its parent, the leader of its
+    process group), and the boot it was started in."""
 
     status: RankStatus
     pid: int
-    start_ticks: int  # /proc/<pid>/stat's start time: a pid reused since is not the rank
+    start_ticks: int  # /proc/<pid>/stat's start time: a pid reused since is not the keeper
+    boot_id: str = ""  # empty: a record of an agent before keepers, never adopted
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -40,14 +47,53 @@ def _start_ticks(pid: int) -> int | None:
     return int(stat[stat.rindex(b")") + 2 :].split()[19])
 
 
+def _alive(remembered: RankProcess) -> bool:
+    return _start_ticks(remembered.pid) == remembered.start_ticks
+
+
+async def _exited(pid: int) -> None:
+    """Until process `pid`, not a child of ours, has ended (a pidfd turns readable then)."""
+    loop = asyncio.get_running_loop()
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    ended: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        await ended
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
 class Rank:
+    """A rank this agent watches: one it launched (its keeper is a child of this process), or
+    one it adopted from the agent before it on the same boot (`process` is None then)."""
+
     def __init__(
-        self, status: RankStatus, process: asyncio.subprocess.Process, log_path: Path
+        self,
+        status: RankStatus,
+        pid: int,
+        log_path: Path,
+        process: asyncio.subprocess.Process | None = None,
     ) -> None:
         self.status = status
+        self.pid = pid  # the keeper's, which leads the rank's process group
         self.process = process
         self.log_path = log_path
         self.waiter: asyncio.Task[None] | None = None
+
+    async def wait(self) -> None:
+        if self.process is not None:
+            await self.process.wait()
+        else:
+            await _exited(self.pid)
 
 
 class RankRunner:
@@ -56,6 +102,7 @@ class RankRunner:
         self.ranks = ranks
         self.log_dir = log_dir
         self.running: dict[str, Rank] = {}
+        self.boot_id = ""  # the machine's boot, from `resume`: launched ranks carry it
 
     def log_path(self, gang: str, epoch: int, rank: int) -> Path:
         return self.log_dir / f"{names.rank_key(gang, epoch, rank, self.node)}.log"
@@ -63,11 +110,25 @@ class RankRunner:
     def _pid_path(self, key: str) -> Path:
         return self.log_dir / f"{key}.pid"
 
-    async def stop_previous_boot(self) -> int:
-        """The ranks the machine ran before this agent started: a booted machine runs none, so
-        any still alive (the agent was killed, its ranks were not) are killed, and each is
-        recorded Stopped by the platform (its gang is placed again, R16), not failed."""
-        stopped = 0
+    def _exit_path(self, key: str) -> Path:
+        return self.log_dir / f"{key}.exit"
+
+    def _exit_code(self, key: str) -> int | None:
+        """The rank's return code as its keeper recorded it; None: the keeper was killed (the
+        rank was stopped with it) or never wrote one."""
+        try:
+            return int(self._exit_path(key).read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    async def resume(self, boot: BootIdentity) -> tuple[int, int]:
+        """The ranks the machine ran before this agent started (O4). On the same boot they
+        still run, and are adopted: watched, and their exit reported, as if launched here. Of
+        another boot (the lab's reboot leaves them alive on the shared kernel) they are killed
+        and, like those a real reboot ended, recorded Stopped by the platform (the gang is
+        placed again, R16), not failed. Returns (adopted, stopped)."""
+        self.boot_id = boot.boot_id
+        adopted = stopped = 0
         for path in sorted(self.log_dir.glob("*.pid")):
             try:
                 remembered = msgspec.json.decode(path.read_bytes(), type=RankProcess)
@@ -75,21 +136,44 @@ class RankRunner:
                 log.warning("%s: not a rank's process record (%s); removed", path, error)
                 path.unlink(missing_ok=True)
                 continue
-            if _start_ticks(remembered.pid) == remembered.start_ticks:
+            key = names.rank_key(
+                remembered.status.gang, remembered.status.epoch, remembered.status.rank, self.node
+            )
+            if remembered.boot_id == boot.boot_id:
+                entry = Rank(remembered.status, remembered.pid, self.log_path_of(remembered))
+                self.running[key] = entry
+                if _alive(remembered):
+                    log.info("rank %s of this boot adopted (keeper pid %d)", key, entry.pid)
+                    entry.waiter = asyncio.create_task(self._wait(key, entry))
+                else:  # it ended while no agent watched: its keeper left the code
+                    await self._conclude(key, entry)
+                adopted += 1
+                continue
+            # Another boot's. A real reboot ended it; the pid may be another process now.
+            if (boot.simulated or not remembered.boot_id) and _alive(remembered):
                 try:
                     os.killpg(remembered.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             status = msgspec.structs.replace(remembered.status, state="Stopped", ended_time=now())
-            key = names.rank_key(status.gang, status.epoch, status.rank, self.node)
             await self.ranks.put(key, status)
             path.unlink(missing_ok=True)
+            self._exit_path(key).unlink(missing_ok=True)
             log.info("rank %s of the machine's previous boot stopped", key)
             stopped += 1
-        return stopped
+        return adopted, stopped
+
+    def log_path_of(self, remembered: RankProcess) -> Path:
+        s = remembered.status
+        return Path(s.log) if s.log else self.log_path(s.gang, s.epoch, s.rank)
 
     async def launch(
-        self, gang: str, epoch: int, rank: int, command: list[str], env: dict[str, str]
+        self,
+        gang: str,
+        epoch: int,
+        rank: int,
+        command: list[str],
+        env: dict[str, str],
     ) -> bool:
         key = names.rank_key(gang, epoch, rank, self.node)
         if key in self.running:
@@ -102,31 +186,21 @@ class RankRunner:
             if k in ("PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH")
         }
         process_env.update(env)
+        self._exit_path(key).unlink(missing_ok=True)
         with open(path, "ab") as output:  # noqa: ASYNC230 - a local log, once per rank
-            try:
-                process = await asyncio.create_subprocess_exec(
-                    *command,
-                    env=process_env,
-                    stdout=output,
-                    stderr=asyncio.subprocess.STDOUT,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-            except OSError as error:
-                output.write(f"nodus: cannot start {command[0]}: {error}\n".encode())
-                status = RankStatus(
-                    gang=gang,
-                    epoch=epoch,
-                    rank=rank,
-                    node=self.node,
-                    state="Exited",
-                    started_time=now(),
-                    exit_code=127,
-                    ended_time=now(),
-                    log=str(path),
-                )
-                await self.ranks.put(key, status)
-                return False
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-I",
+                KEEPER,
+                str(self._exit_path(key)),
+                "--",
+                *command,
+                env=process_env,
+                stdout=output,
+                stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+            )
         status = RankStatus(
             gang=gang,
             epoch=epoch,
@@ -138,34 +212,34 @@ class RankRunner:
         )
         ticks = _start_ticks(process.pid)
         if ticks is not None:
-            remembered = RankProcess(status=status, pid=process.pid, start_ticks=ticks)
+            remembered = RankProcess(
+                status=status, pid=process.pid, start_ticks=ticks, boot_id=self.boot_id
+            )
             self._pid_path(key).write_bytes(msgspec.json.encode(remembered))
         await self.ranks.put(key, status)
-        entry = Rank(status, process, path)
+        entry = Rank(status, process.pid, path, process)
         self.running[key] = entry
         entry.waiter = asyncio.create_task(self._wait(key, entry))
-        log.info("started rank %d of %s epoch %d (pid %d)", rank, gang, epoch, process.pid)
+        log.info("started rank %d of %s epoch %d (keeper pid %d)", rank, gang, epoch, process.pid)
         return True
 
     async def _wait(self, key: str, entry: Rank) -> None:
-        code = await entry.process.wait()
-        state: Literal["Exited", "Stopped"] = (
-            "Stopped" if entry.status.state == "Stopped" else "Exited"
-        )
-        entry.status = RankStatus(
-            gang=entry.status.gang,
-            epoch=entry.status.epoch,
-            rank=entry.status.rank,
-            node=self.node,
-            state=state,
-            started_time=entry.status.started_time,
-            exit_code=code,
-            ended_time=now(),
-            log=entry.status.log,
+        await entry.wait()
+        await self._conclude(key, entry)
+
+    async def _conclude(self, key: str, entry: Rank) -> None:
+        code = self._exit_code(key)
+        stopped = entry.status.state == "Stopped"
+        if code is None and not stopped:
+            code = -signal.SIGKILL  # the keeper was killed, and the rank with it
+        state: Literal["Exited", "Stopped"] = "Stopped" if stopped else "Exited"
+        entry.status = msgspec.structs.replace(
+            entry.status, node=self.node, state=state, exit_code=code, ended_time=now()
         )
         await self.ranks.put(key, entry.status)
         self._pid_path(key).unlink(missing_ok=True)
-        log.info("rank %s exited with %d", key, code)
+        self._exit_path(key).unlink(missing_ok=True)
+        log.info("rank %s exited with %s", key, code)
 
     async def stop(self, gang: str, epoch: int | None = None, grace: float = 5.0) -> int:
         """SIGTERM the ranks of a gang (one epoch or all), SIGKILL what outlives the grace."""
@@ -173,16 +247,19 @@ class RankRunner:
         for key, entry in list(self.running.items()):
             if entry.status.gang != gang or (epoch is not None and entry.status.epoch != epoch):
                 continue
-            if entry.process.returncode is None:
+            if entry.waiter is not None and not entry.waiter.done():
                 entry.status.state = "Stopped"
                 try:
-                    os.killpg(entry.process.pid, signal.SIGTERM)
+                    os.killpg(entry.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
                 try:
-                    await asyncio.wait_for(entry.process.wait(), grace)
+                    await asyncio.wait_for(asyncio.shield(entry.waiter), grace)
                 except TimeoutError:
-                    os.killpg(entry.process.pid, signal.SIGKILL)
+                    try:
+                        os.killpg(entry.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 stopped += 1
             if entry.waiter is not None:
                 await entry.waiter
@@ -204,3 +281,10 @@ class RankRunner:
     async def stop_all(self) -> None:
         for gang in {e.status.gang for e in self.running.values()}:
             await self.stop(gang)
+
+    async def release(self) -> None:
+        """Stop watching, leave the ranks running (the agent stops, the machine does not):
+        the next agent on this boot adopts them from their records."""
+        waiters = [e.waiter for e in self.running.values() if e.waiter is not None]
+        await cancel_and_wait(waiters)
+        self.running.clear()

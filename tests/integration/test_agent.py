@@ -22,6 +22,7 @@ from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.jobs import Phase
 from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest, RankStatus
 from services.agent.agent import Agent
+from services.agent.boot import new_lab_boot
 from services.agent.ranks import RankProcess
 from tests.conftest import StartPlacer, eventually
 from tests.factories import job, machine
@@ -133,21 +134,70 @@ async def test_agents_join_their_epoch_once(
     assert now() < epoch.value.join_keys_expire_time
 
 
-async def test_an_agent_starting_again_stops_the_ranks_of_the_previous_boot_and_no_stranger(
+def _die(agent: Agent) -> None:
+    """The agent process is SIGKILLed: its tasks end, nothing is stopped."""
+    for rank in agent.gangs.runner.running.values():
+        if rank.waiter is not None:
+            rank.waiter.cancel()
+    for task in agent._tasks:
+        task.cancel()
+
+
+async def test_an_agent_started_again_on_the_same_boot_adopts_its_ranks_and_reports_their_exit(
     bus: Bus, tmp_path: Path
 ) -> None:
-    """The ranks a killed agent left running are killed by its next start and recorded
-    Stopped; a remembered pid that another process has taken since is left alone."""
+    """An agent upgrade or crash is not a reboot (O4): the next agent on the same boot finds
+    the ranks still running, leaves them be, and reports the exit code they end with, even one
+    that ended while no agent ran."""
+    first = Agent(bus, machine("aws-r", address="10.0.0.9"), state_dir=tmp_path)
+    await first.start()
+    marker = tmp_path / "go"
+    await first.gangs.runner.launch(
+        "acme.long", 1, 0, ["sh", "-c", f"while [ ! -e {marker} ]; do sleep 0.05; done; exit 3"], {}
+    )
+    await first.gangs.runner.launch("acme.short", 1, 0, ["sh", "-c", "exit 5"], {})
+    keeper = first.gangs.runner.running[names.rank_key("acme.long", 1, 0, "aws-r")].pid
+    short = first.gangs.runner.running[names.rank_key("acme.short", 1, 0, "aws-r")]
+    assert short.process is not None
+    await short.process.wait()  # it ends while no agent watches: its keeper keeps the code
+    _die(first)
+
+    second = Agent(bus, machine("aws-r", address="10.0.0.9"), state_dir=tmp_path)
+    assert second.boot_id == first.boot_id
+    await second.start()
+    try:
+        ranks = bus.bucket(names.BUCKET_RANKS, RankStatus)
+        assert os.getpgid(keeper) == keeper  # the rank's keeper still runs, untouched
+        stored = await ranks.get("acme.long.1.0.aws-r")
+        assert stored is not None and stored.value.state == "Running"
+        marker.touch()
+
+        async def long_exited() -> bool:
+            stored = await ranks.get("acme.long.1.0.aws-r")
+            return stored is not None and stored.value.state == "Exited"
+
+        await eventually(long_exited)
+        for key, code in (("acme.long.1.0.aws-r", 3), ("acme.short.1.0.aws-r", 5)):
+            stored = await ranks.get(key)
+            assert stored is not None, key
+            assert (stored.value.state, stored.value.exit_code) == ("Exited", code), key
+        assert not list((tmp_path / "logs").glob("*.pid"))
+    finally:
+        await second.stop()
+
+
+async def test_an_agent_of_a_new_lab_boot_stops_the_ranks_of_the_previous_boot_and_no_stranger(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """The lab's reboot (a new boot id in the machine's directory) leaves the old boot's ranks
+    alive on the shared kernel: the next agent kills them and records them Stopped; a
+    remembered pid that another process has taken since is left alone."""
     first = Agent(bus, machine("aws-r", address="10.0.0.9"), state_dir=tmp_path)
     await first.start()
     await first.gangs.runner.launch("acme.sleepy", 1, 0, ["sleep", "60"], {})
     rank = first.gangs.runner.running[names.rank_key("acme.sleepy", 1, 0, "aws-r")]
-    orphan = rank.process.pid
-    # The agent dies without stopping anything (SIGKILL): only its tasks end.
-    assert rank.waiter is not None
-    rank.waiter.cancel()
-    for task in first._tasks:
-        task.cancel()
+    assert rank.process is not None
+    _die(first)
     # A record whose pid is now another process (this test's): not the rank.
     stranger = RankProcess(
         status=RankStatus(
@@ -155,10 +205,13 @@ async def test_an_agent_starting_again_stops_the_ranks_of_the_previous_boot_and_
         ),
         pid=os.getpid(),
         start_ticks=1,
+        boot_id=first.boot_id,
     )
     (tmp_path / "logs" / "acme.other.3.1.aws-r.pid").write_bytes(msgspec.json.encode(stranger))
+    new_lab_boot(tmp_path)
 
     second = Agent(bus, machine("aws-r", address="10.0.0.9"), state_dir=tmp_path)
+    assert second.boot_id != first.boot_id
     await second.start()
     try:
         assert (await rank.process.wait()) == -signal.SIGKILL
@@ -168,6 +221,5 @@ async def test_an_agent_starting_again_stops_the_ranks_of_the_previous_boot_and_
             assert stored is not None and stored.value.state == "Stopped", (key, stored)
             assert stored.value.ended_time is not None
         assert not list((tmp_path / "logs").glob("*.pid"))
-        assert orphan != os.getpid()  # and this test still runs
     finally:
         await second.stop()
