@@ -30,11 +30,15 @@ from libs.contracts import names
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Fleet, NodeHealth, NodeRecord, load_fleet
 from libs.contracts.relay import RelayRecord
+from services.agent.boot import new_lab_boot
 
 REPO = Path(libs.__file__).resolve().parent.parent
 RULES = REPO / "deploy" / "prometheus" / "rules" / "nodus.yml"  # the alert rules (O3)
 DEFAULT_FLEET = REPO / "examples" / "fleet.yaml"
 SHIM_PATH = REPO / "netshim" / "build" / "libnodus-netshim.so"
+# systemd's StartLimitBurst / StartLimitIntervalSec: a daemon that keeps dying is left down.
+START_LIMIT_BURST = 5
+START_LIMIT_SECONDS = 30.0
 
 
 @dataclass
@@ -74,6 +78,9 @@ class LocalSystem:
     detectors: list[str] = field(default_factory=list)
     nats: NatsServer | NatsCluster | None = None
     children: list[Child] = field(default_factory=list)
+    # Supervision (`restart_exited`): when each daemon was started again; those left down.
+    starts: dict[str, list[float]] = field(default_factory=dict)
+    given_up: set[str] = field(default_factory=set)
     fleet: Fleet | None = None
     lab: NetLab | None = None
 
@@ -192,17 +199,28 @@ class LocalSystem:
         self.children.insert(index, new)
         return new
 
-    def restart_exited_relays(self) -> list[tuple[str, int]]:
-        """Relays are restarted when they exit, as systemd's Restart= would: members have
-        already moved to the other relay, and a relay's usage journal carries what it metered
-        into its next life. Returns (name, exit code) of each one started again."""
-        restarted = []
+    def restart_exited(self) -> list[tuple[str, int | None]]:
+        """Every daemon that exited is started again, as systemd's `Restart=always` would: a
+        crashed or SIGKILLed agent comes back on the same boot and adopts its ranks and
+        dataplanes (O4); a relay's members have moved to the other relay, and its usage
+        journal carries what it metered into its next life. One that exits
+        `START_LIMIT_BURST` times within `START_LIMIT_SECONDS` is left down (systemd's start
+        limit), said once with its exit code None. Returns (name, exit code) of each."""
+        changed: list[tuple[str, int | None]] = []
+        t = time.monotonic()
         for child in list(self.children):
             code = child.process.poll()
-            if code is not None and child.name.startswith("relay-"):
-                self.restart(child.name)
-                restarted.append((child.name, code))
-        return restarted
+            if code is None or child.name in self.given_up:
+                continue
+            starts = [s for s in self.starts.get(child.name, []) if t - s < START_LIMIT_SECONDS]
+            if len(starts) >= START_LIMIT_BURST:
+                self.given_up.add(child.name)
+                changed.append((child.name, None))
+                continue
+            self.starts[child.name] = [*starts, t]
+            self.restart(child.name)
+            changed.append((child.name, code))
+        return changed
 
     def start_placer(self, index: int) -> Child:
         args = ["placer", "--replica", f"placer-{index}", "--shim-path", str(SHIM_PATH)]
@@ -247,6 +265,9 @@ class LocalSystem:
             )
 
     def start_agent(self, machine: str, socks_port: int) -> Child:
+        # The machine powers on: a new boot, and nothing of an earlier run's is adopted. An
+        # agent started again by `restart_exited` stays on this boot.
+        new_lab_boot(self.machine_dir(machine))
         return self._spawn(
             f"agent-{machine}",
             [

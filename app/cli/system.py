@@ -96,9 +96,11 @@ async def _up(args: argparse.Namespace) -> int:
             try:
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
             except TimeoutError:
-                for name, code in system.restart_exited_relays():
-                    print(f"# {name} exited ({code}); started it again", file=sys.stderr)
-                system._check_children()
+                for name, code in system.restart_exited():
+                    if code is None:
+                        print(f"# {name} keeps exiting: left down", file=sys.stderr)
+                    else:
+                        print(f"# {name} exited ({code}); started it again", file=sys.stderr)
     finally:
         system.stop()
     return 0
