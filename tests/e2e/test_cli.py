@@ -178,6 +178,43 @@ def test_a_relay_that_dies_is_started_again(
     assert up.poll() is None
 
 
+def daemon_pid(state: Path, pattern: str) -> int | None:
+    """The pid of this system's daemon whose command line matches `pattern` (and names a file
+    of this state dir)."""
+    found = subprocess.run(
+        ["pgrep", "-f", f"{pattern}.*{state.resolve()}"], capture_output=True, text=True
+    )
+    pids = [int(p) for p in found.stdout.split()]
+    return pids[0] if pids else None
+
+
+def test_a_killed_agent_and_placer_are_started_again_on_the_same_boot(
+    system: tuple[str, subprocess.Popen[str], Path],
+) -> None:
+    """`nodus up` supervises every daemon, not only relays: a SIGKILLed agent or placer comes
+    back and the system goes on. The agent is back on the same boot (O4: a crash is not a
+    reboot), healthy."""
+    url, up, state = system
+    node = "aws-use1-a"
+
+    def boot_of() -> str:
+        nodes = json.loads(nodus(url, "get", "nodes", "-o", "json").stdout)
+        found = next(n for n in nodes if n["inventory"]["node"] == node)
+        assert found["health"]["healthy"], found
+        return str(found["bootId"])
+
+    boot = boot_of()
+    assert boot
+    for pattern in (f"agent --node {node} ", "placer --replica placer-0 "):
+        before = daemon_pid(state, pattern)
+        assert before is not None, pattern
+        os.kill(before, signal.SIGKILL)
+        wait_for(lambda p=pattern, b=before: daemon_pid(state, p) not in (None, b), timeout=20)  # type: ignore[misc]
+    assert up.poll() is None
+    wait_for(lambda: nodus(url, "get", "jobs", check=False).returncode == 0, timeout=30)
+    assert boot_of() == boot
+
+
 def test_ctrl_c_stops_everything(system: tuple[str, subprocess.Popen[str], Path]) -> None:
     url, up, state = system
     up.send_signal(signal.SIGINT)
