@@ -51,6 +51,7 @@ from libs.contracts.lifecycle import (
 from libs.contracts.relay import Member, RelayRecord, UsageRecord
 from libs.relayproto.client import RelayClient
 from libs.wg import generate_private_key, key_from_base64, key_to_base64, public_key
+from services.agent.boot import new_lab_boot
 from services.placer.config import DEFAULT_CONFIG
 from services.prober.schedule import rounds
 from tests.factories import job
@@ -527,15 +528,16 @@ async def _lose_a_member_during_the_run(
     assert ready is not None and ready.reason == "Completed"
 
 
-async def test_e_an_agent_killed_and_started_again_at_once_ends_its_epoch_and_kills_its_ranks(
+async def test_e_a_machine_that_booted_again_at_once_ends_its_epoch_and_its_old_ranks_stop(
     tmp_path: Path,
 ) -> None:
-    """An agent SIGKILLed and started again before its heartbeats could time out (systemd's
-    Restart=, the chaos run) is a machine that booted: its tunnels and its join of epoch 1 died
-    with it. The placer sees the new boot id and ends epoch 1 at once (it does not wait for a
-    heartbeat timeout that never comes), the restarted agent kills the rank its previous life
-    left running and records it Stopped, and epoch 2 runs to Succeeded. (Found by the chaos
-    run: the gang stayed Running forever on a rank nobody watched.)"""
+    """A machine that crashed and booted again before its heartbeats could time out: its
+    tunnels and its join of epoch 1 died with the boot. The placer sees the new boot id and
+    ends epoch 1 at once (it does not wait for a heartbeat timeout that never comes), the
+    agent of the new boot stops the rank the old boot left running in the lab and records it
+    Stopped, and epoch 2 runs to Succeeded. (Found by the chaos run: the gang stayed Running
+    forever on a rank nobody watched.) An agent restarted on the same boot is no boot at all:
+    tests/e2e/test_agent_restart.py."""
     machines = [
         eu_machine("vast-x", "container", 91),
         eu_machine("vast-y", "container", 92),
@@ -580,6 +582,7 @@ async def test_e_an_agent_killed_and_started_again_at_once_ends_its_epoch_and_ki
             os.kill(agent.process.pid, signal.SIGKILL)
             agent.process.wait(timeout=10)
             assert process_alive(pid), "the rank died with its agent: nothing to prove"
+            new_lab_boot(system.machine_dir(lost))  # the machine boots again
             system.restart(agent.name)
 
             second = await wait_job(
