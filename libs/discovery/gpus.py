@@ -310,7 +310,8 @@ def parse_amd_smi_static(text: str, rocm_version: str = "") -> GpuReport:
             warnings.append(note)
         memory = _amd_smi_memory(_object(entry.get("vram")).get("size"), where, warnings)
         numa = _object(entry.get("numa")).get("node")
-        if not (numa is None or is_not_reported(numa) or _is_count(numa)):
+        # -1: the GPU has no NUMA node (amd-smi's own meaning); sysfs is asked instead.
+        if not (numa is None or numa == -1 or is_not_reported(numa) or _is_count(numa)):
             warnings.append(f"{where}: numa node {numa!r} is not a node number")
         version = _object(entry.get("driver")).get("version")
         if not driver and isinstance(version, str) and not is_not_reported(version):
