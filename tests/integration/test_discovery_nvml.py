@@ -6,6 +6,7 @@ what the agent would register, and what it says about what it could not read."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -14,6 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from libs.bus import Bus
+from libs.bus.auth import AGENT
+from libs.bus.server import NatsServer
+from tests.integration.test_agent_discovery import _registered
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "tests" / "fixtures" / "nvml" / "fake_nvml.c"
@@ -154,3 +160,67 @@ def test_nvml_that_cannot_start_is_not_a_gpu_report(
 def test_an_unreadable_bus_id_is_refused(library: Path, tmp_path: Path) -> None:
     result = _discover(library, tmp_path, ["init 0", "gpu NVIDIA H100 80GB HBM3|gpu0|1|0|ok"])
     assert result == {"error": "'gpu0' is not a PCI bus id", "log": result["log"]}
+
+
+def test_the_agent_registers_what_nvml_said_and_what_it_could_not_read(
+    library: Path, tmp_path: Path, nats_server: NatsServer, bus: Bus
+) -> None:
+    """`nodus agent` on an eight-GPU machine, one GPU of which NVML cannot size: the registered
+    inventory has the GPUs with C5's names and the warning; the agent's log says it too."""
+    config = tmp_path / "nvml.conf"
+    lines = ["init 0", "driver 550.90.07", "cuda 12040", "numa yes"]
+    lines += [
+        _gpu_line(bus, numa=i // 4, state="nomem" if i == 5 else "ok")
+        for i, bus in enumerate(BUSES)
+    ]
+    config.write_text("\n".join(lines) + "\n")
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "NODUS_FLEET"},
+        "LD_LIBRARY_PATH": str(library),
+        "NODUS_FAKE_NVML": str(config),
+    }
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "agent",
+            "--node",
+            "gpu-a",
+            "--region",
+            "r",
+            "--provider",
+            "p",
+            "--machine-file",
+            str(tmp_path / "none.yaml"),
+            "--nats",
+            nats_server.url,
+            "--credentials",
+            nats_server.user("agent-gpu-a", AGENT, "gpu-a"),
+            "--no-nodus0",
+            "--no-port-rules",
+            "--socks-listen",
+            "127.0.0.1:0",
+            "--state-dir",
+            str(tmp_path / "gpu-a"),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        record = asyncio.run(_registered(nats_server.url, "gpu-a"))
+    finally:
+        agent.terminate()
+        out, _ = agent.communicate(timeout=20)
+    acc = record.inventory.accelerators
+    assert (acc.count, acc.model, acc.backend, acc.collectives) == (8, "H100", "cuda", "nccl")
+    assert [d.name for d in acc.devices] == [f"CUDA{i}" for i in range(8)]
+    assert [d.numa_node for d in acc.devices] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [d.memory_mib for d in acc.devices] == [81559] * 5 + [0] + [81559] * 2
+    said = "GPU 0000:ab:00.0: memory size not reported (NVML: Not Supported)"
+    assert acc.warnings == [said]
+    assert f"discovery: {said}" in out, out
+    assert agent.returncode == 0, out
