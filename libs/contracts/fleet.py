@@ -62,6 +62,9 @@ class Accelerators(Record):
     devices: list[AcceleratorDevice] = []
     driver_version: str = ""  # discovered machines (O1)
     runtime_version: str = ""  # CUDA or ROCm
+    # What discovery did not understand or could not read (a unit, a value the tool did not
+    # report, a tool that failed), said plainly; empty on a machine it read whole (O1).
+    warnings: list[str] = []
 
 
 class Inventory(Record):

@@ -89,8 +89,10 @@ def inventory_from(
     tried: Tried,
     numa_nodes: dict[str, int],
     network_namespace: str,
+    warnings: list[str] | None = None,
 ) -> tuple[Inventory, list[str]]:
-    """The inventory and the capabilities the agent announces (only those it has)."""
+    """The inventory and the capabilities the agent announces (only those it has);
+    `warnings`: what discovery did not understand besides the report's own."""
     by_name = {i.name: i for i in interfaces}
     underlay_name = facts.interface or default_interface
     underlay = by_name.get(underlay_name or "")
@@ -122,7 +124,7 @@ def inventory_from(
             address=underlay.addresses[0],
             pool=facts.pool,
             cluster=facts.cluster,
-            accelerators=accelerators_of(report, numa_nodes),
+            accelerators=accelerators_of(report, numa_nodes, warnings),
             private_network=facts.private_network,
             private_address=private_address,
             private_interface=private_interface,
@@ -138,6 +140,7 @@ def accelerators(
     devices: list[AcceleratorDevice],
     driver_version: str = "",
     runtime_version: str = "",
+    warnings: list[str] | None = None,
 ) -> Accelerators:
     """What follows from the backend (C5): the collectives, the visible-devices variable."""
     return Accelerators(
@@ -149,6 +152,7 @@ def accelerators(
         devices=devices,
         driver_version=driver_version,
         runtime_version=runtime_version,
+        warnings=list(warnings or []),
     )
 
 
@@ -157,7 +161,9 @@ def device_name(backend: Backend, index: int) -> str:
     return f"{'CUDA' if backend == 'cuda' else 'ROCm'}{index}"
 
 
-def accelerators_of(report: GpuReport | None, numa_nodes: dict[str, int]) -> Accelerators:
+def accelerators_of(
+    report: GpuReport | None, numa_nodes: dict[str, int], warnings: list[str] | None = None
+) -> Accelerators:
     backend: Backend = report.backend if report is not None else "cuda"
     gpus = report.gpus if report is not None else []
     models = sorted({model_of(g.product) for g in gpus})
@@ -181,4 +187,5 @@ def accelerators_of(report: GpuReport | None, numa_nodes: dict[str, int]) -> Acc
         devices,
         report.driver_version if report is not None else "",
         report.runtime_version if report is not None else "",
+        [*(warnings or []), *(report.warnings if report is not None else [])],
     )

@@ -66,12 +66,21 @@ VM = Tried(wireguard_device=True, udp=True)
 def test_nvidia_smi_xml_of_eight_h100() -> None:
     report = parse_nvidia_smi_xml((FIXTURES / "nvidia-smi-q-x-8xH100.xml").read_text())
     assert report.backend == "cuda" and len(report.gpus) == 8
-    assert (report.driver_version, report.runtime_version) == ("550.90.07", "12.4")
+    assert (report.driver_version, report.runtime_version) == ("535.183.01", "12.2")
+    assert report.warnings == []
     assert [g.index for g in report.gpus] == list(range(8))
     assert report.gpus[0].pci_bus_id == "0000:18:00.0"
     assert report.gpus[7].pci_bus_id == "0000:db:00.0"
     assert {g.memory_mib for g in report.gpus} == {81559}
     assert {model_of(g.product) for g in report.gpus} == {"H100"}
+
+
+def test_nvidia_smi_xml_of_eight_b200_dtd_v13() -> None:
+    report = parse_nvidia_smi_xml((FIXTURES / "nvidia-smi-q-x-8xB200-v13.xml").read_text())
+    assert (report.driver_version, report.runtime_version) == ("595.84", "13.2")
+    assert [g.pci_bus_id for g in report.gpus][::7] == ["0000:18:00.0", "0000:db:00.0"]
+    assert {(model_of(g.product), g.memory_mib) for g in report.gpus} == {("B200", 183359)}
+    assert report.warnings == []
 
 
 def test_amd_smi_and_rocm_smi_of_eight_mi300x() -> None:
@@ -169,7 +178,7 @@ def test_nvidia_numa_nodes_come_from_sysfs_and_names_from_the_backend() -> None:
     acc = inventory.accelerators
     assert [d.name for d in acc.devices] == [f"CUDA{i}" for i in range(8)]
     assert [d.numa_node for d in acc.devices] == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert acc.runtime_version == "12.4" and inventory.region_class == "r"
+    assert acc.runtime_version == "12.2" and inventory.region_class == "r"
 
 
 def test_no_gpus_and_no_wireguard_device_is_a_container_with_nothing_to_offer() -> None:
