@@ -1,5 +1,14 @@
 """The per-machine agent: registers inventory, version and capabilities (T1, C6), heartbeats,
-answers requests addressed to its node (C1), and joins the epochs its join keys name (G9)."""
+answers requests addressed to its node (C1), and joins the epochs its join keys name (G9).
+
+It is a reconcile loop (O4): the epochs the bus says this node belongs to (its join keys in
+`nodus-joinkeys`, a deleted one meaning fenced or ended) are compared, at start, on every
+watch event and every few seconds, with what runs here (the epochs persisted under
+`STATE/epochs/`, their dataplanes and port rules): an epoch on disk whose key is live is
+adopted (its dataplane process reconnected, or started again from the persisted key if it
+died), one whose key is gone is stopped and forgotten, a new key is joined. An agent that
+stops (an upgrade, a crash) leaves dataplanes and ranks running for the next one; another
+boot's are killed, not adopted."""
 
 from __future__ import annotations
 
@@ -8,17 +17,19 @@ import logging
 import tempfile
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 from nats.errors import Error as NatsError
-from prometheus_client import Counter, Gauge
+from prometheus_client import REGISTRY, Counter, Gauge
 
 from libs.bus import Bus, Endpoint, EpochGuard
 from libs.contracts import names
 from libs.contracts.api import NodeInfoReply, NodeInfoRequest
 from libs.contracts.base import now
 from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS, HEARTBEATS_PER_TIMEOUT
+from libs.contracts.dataplane import DataplaneSpec, EpochState
 from libs.contracts.epochs import Epoch, EpochMember, JoinKeyGrant, JoinRedemption
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Machine, NodeHealth, NodeRecord
@@ -31,10 +42,16 @@ from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.runtime.version import VERSION as AGENT_VERSION
 from libs.wg import generate_private_key, key_to_base64, public_key
 from services.agent.boot import BootIdentity, machine_boot, new_lab_boot
-from services.agent.direct import DirectMember
+from services.agent.dataplane.store import EpochStore, Stored
+from services.agent.dataplane.supervisor import (
+    Dataplane,
+    DataplaneMetrics,
+    Launch,
+    ProcessDataplane,
+    kill_stale,
+)
 from services.agent.gangwork import GangWork
 from services.agent.inventory import Described, capabilities_of, inventory_of
-from services.agent.member import RelayedMember
 from services.agent.private import PortRules, PrivateMember, ephemeral_range
 
 log = logging.getLogger("nodus.agent")
@@ -44,9 +61,37 @@ JOINS = Counter(
     "nodus_agent_epoch_joins_total", "Join keys handled by outcome", ["node", "outcome"]
 )
 DATAPLANES = Counter(
-    "nodus_agent_dataplanes_total", "Relayed dataplanes started", ["node", "outcome"]
+    "nodus_agent_dataplanes_total",
+    "Epoch dataplanes by outcome (started, adopted, restarted, failed, killed: another boot's)",
+    ["node", "outcome"],
 )
 JOINED = Gauge("nodus_agent_joined_epochs", "Epochs this node is a member of", ["node"])
+
+RECONCILE_SECONDS = 3.0  # the periodic pass: what the watch missed, dataplanes that died
+RETRY_FIRST, RETRY_MOST = 1.0, 30.0  # a dataplane that keeps failing is started less often
+
+
+@dataclass
+class LocalEpoch:
+    """An epoch this node joined, as it runs here."""
+
+    state: EpochState
+    wg_private: bytes
+    since: float  # loop time it became local: a read of the bus older than this cannot end it
+    dataplane: Dataplane | None = None
+    private: PrivateMember | None = None
+    starting: asyncio.Task[None] | None = None
+    failures: int = 0
+    retry_at: float = 0.0
+    adopted: bool = False  # from disk: its member record and introductions are made sure of
+
+    @property
+    def gang(self) -> str:
+        return self.state.joined.gang
+
+    @property
+    def epoch(self) -> int:
+        return self.state.joined.epoch
 
 
 class Agent:
@@ -61,8 +106,13 @@ class Agent:
         nodus0: bool = False,
         port_rules: bool = False,
         restart: Callable[[], None] | None = None,
+        dataplanes: Launch | None = None,
     ) -> None:
         self.bus = bus
+        # How epochs' dataplanes run: each in a process of its own that outlives this agent
+        # (the daemon), or, without a bus URL to hand a child (agents made inside a test's
+        # process), in this process.
+        self.launch = dataplanes
         # How a reboot request boots this machine: the daemon starts again (a new process, a
         # new boot id; ranks and tunnels gone). Without one (in-process agents of the tests)
         # only the boot id changes.
@@ -91,15 +141,23 @@ class Agent:
         self.joined: dict[str, JoinedEpoch] = {}  # joinkey key -> membership
         self.guard = EpochGuard()  # the newest epoch joined per gang (C2)
         self.members = bus.bucket(names.BUCKET_MEMBERS, Member)
-        self.relayed: dict[str, RelayedMember] = {}  # joinkey key -> the Relayed dataplane
-        self.direct: dict[str, DirectMember] = {}  # joinkey key -> the Direct dataplane
-        self.private: dict[str, PrivateMember] = {}  # joinkey key -> its private port rules
-        self._wg_keys: dict[str, bytes] = {}  # "gang.epoch" -> this node's WireGuard key
+        # Desired: the join keys the bus holds for this node (joinkey key -> grant), and when
+        # the watch last said so. Observed: the epochs that run here.
+        self.grants: dict[str, JoinKeyGrant] = {}
+        self._granted_at: dict[str, float] = {}
+        self.local: dict[str, LocalEpoch] = {}  # joinkey key -> the epoch as it runs here
+        self._refused: dict[str, str] = {}  # joinkey key -> the token refused (not retried)
+        self._lock = asyncio.Lock()  # one reconcile step at a time
         self._starting = TaskSet("agent dataplane start", log)
-        self._start_tasks: dict[str, asyncio.Task[None]] = {}  # joinkey key -> its start
         self._tasks: list[asyncio.Task[None]] = []
         self.state_dir = state_dir
+        if dataplanes is not None and state_dir is None:  # a process needs a directory
+            state_dir = Path(tempfile.mkdtemp(prefix=f"nodus-{self.node}-"))
         state = state_dir or Path(tempfile.gettempdir()) / "nodus" / self.node
+        # An agent without a state directory cannot start again on the same boot: nothing
+        # of its epochs is kept.
+        self.store = EpochStore(state_dir) if state_dir is not None else None
+        self._metrics = DataplaneMetrics(self._dataplane_sockets)
         self.gangs = GangWork(
             bus,
             self.node,
@@ -113,14 +171,46 @@ class Agent:
         """The path to `peer` the workload's bytes take now: the tunnel's relay on the
         Relayed path; on the Direct path, once the pair's first checks ended, `direct` or
         the relay that carries it."""
-        for runtime in self.relayed.values():
-            if (runtime.epoch.gang, runtime.epoch.epoch) == (gang, epoch) and runtime.tunnel:
-                return runtime.tunnel.path
-        for direct in self.direct.values():
-            if (direct.epoch.gang, direct.epoch.epoch) == (gang, epoch):
-                await direct.first_round(peer)
-                return direct.path_to(peer)
-        return None
+        local = next((e for e in self.local.values() if (e.gang, e.epoch) == (gang, epoch)), None)
+        if local is None:
+            return None
+        if local.starting is not None and not local.starting.done():
+            await asyncio.wait({local.starting})  # the probe asked as the dataplane came up
+        if local.dataplane is None:
+            return None
+        try:
+            return await local.dataplane.path_to(peer)
+        except NodusError as error:  # the dataplane is away: the probe says so
+            log.warning("%s epoch %d: no path to %s: %s", gang, epoch, peer, error)
+            return None
+
+    @property
+    def relayed(self) -> dict[str, object]:
+        """The Relayed dataplanes that run in this process and are up (tests look inside)."""
+        return self._inline("relayed")
+
+    @property
+    def direct(self) -> dict[str, object]:
+        return self._inline("direct")
+
+    @property
+    def private(self) -> dict[str, PrivateMember]:
+        return {key: e.private for key, e in self.local.items() if e.private is not None}
+
+    def _inline(self, kind: str) -> dict[str, object]:
+        found: dict[str, object] = {}
+        for key, local in self.local.items():
+            dataplane = local.dataplane
+            if getattr(dataplane, "kind", None) == kind and getattr(dataplane, "ready", False):
+                found[key] = dataplane.runtime  # type: ignore[union-attr]
+        return found
+
+    def _dataplane_sockets(self) -> list[Path]:
+        return [
+            e.dataplane.socket
+            for e in list(self.local.values())
+            if isinstance(e.dataplane, ProcessDataplane)
+        ]
 
     def record(self) -> NodeRecord:
         return NodeRecord(
@@ -153,28 +243,40 @@ class Agent:
             ],
         )
         await self.gangs.runner.resume(self.boot)
+        await self._read_back()
+        if self.launch is not None:
+            REGISTRY.register(self._metrics)
         await self.nodes.put(self.node, self.record())
         await self._beat()
+        await self._reconcile_all()  # before the first heartbeat interval: fenced ones stop
         self._tasks = [
             asyncio.create_task(self._heartbeats()),
-            asyncio.create_task(self._join_epochs()),
+            asyncio.create_task(self._watch_grants()),
+            asyncio.create_task(self._reconcile_periodically()),
         ]
         log.info("agent %s registered (boot %s)", self.node, self.boot_id)
 
-    async def stop(self) -> None:
+    async def stop(self, keep_workloads: bool = False) -> None:
+        """Stop the agent. `keep_workloads`: the machine goes on (an upgrade, a restart of the
+        daemon, O4): the ranks, the dataplane processes and the port rules stay for the next
+        agent, which re-adopts them. Otherwise everything of this agent's epochs ends."""
         await cancel_and_wait(self._tasks)
         await self._starting.close()
-        await self.gangs.close()
-        dataplanes: list[RelayedMember | DirectMember | PrivateMember] = [
-            *self.relayed.values(),
-            *self.direct.values(),
-            *self.private.values(),
-        ]
-        for runtime in dataplanes:
-            await runtime.stop()
-        self.relayed.clear()
-        self.direct.clear()
-        self.private.clear()
+        if self.launch is not None:
+            try:
+                REGISTRY.unregister(self._metrics)
+            except KeyError:  # never registered: start failed early
+                pass
+        await self.gangs.close(keep_ranks=keep_workloads)
+        for key, local in list(self.local.items()):
+            if keep_workloads:
+                if local.dataplane is not None:
+                    await local.dataplane.detach()
+                continue
+            await self._stop_local(local)
+            if self.store is not None:
+                self.store.remove(key)
+        self.local.clear()
 
     @property
     def boot_id(self) -> str:
@@ -205,11 +307,16 @@ class Agent:
 
     async def epochs_joined(self, _: JoinedEpochsRequest) -> JoinedEpochsReply:
         epochs = []
-        for key, joined in self.joined.items():
-            runtime = self.relayed.get(key)
-            tunnel = runtime.tunnel if runtime is not None and runtime.socks is not None else None
-            if tunnel is not None and tunnel.home is not None:
-                joined = msgspec.structs.replace(joined, path=tunnel.path, relay=tunnel.home.name)
+        for key, joined in list(self.joined.items()):
+            local = self.local.get(key)
+            home = None
+            if local is not None and local.dataplane is not None:
+                try:
+                    home = await local.dataplane.home()
+                except NodusError:  # the dataplane is away: the membership still holds
+                    home = None
+            if home is not None:
+                joined = msgspec.structs.replace(joined, path=home[0], relay=home[1])
             epochs.append(joined)
         return JoinedEpochsReply(node=self.node, epochs=epochs)
 
@@ -228,43 +335,188 @@ class Agent:
             except Exception as error:  # the bus reconnects; keep beating
                 log.warning("heartbeat failed: %s", error)
 
-    async def _join_epochs(self) -> None:
+    # -- the reconcile loop ----------------------------------------------------------------
+
+    async def _watch_grants(self) -> None:
+        """The fast path: each change of this node's join keys is reconciled at once."""
         async for change in self.joinkeys.watch(f"{self.node}.>"):
+            loop = asyncio.get_running_loop()
             if change.value is None:
-                starting = self._start_tasks.pop(change.key, None)
-                if starting is not None and not starting.done():
-                    starting.cancel()  # the epoch ended while its dataplane started
-                left = self.joined.pop(change.key, None)
-                if left is not None:  # the epoch is fenced or deleted: its ranks stop (G9)
-                    await self.gangs.stop_epoch(left.gang, left.epoch)
-                    await self._forget_introductions(left.gang, left.epoch)
-                    self.epoch_records.pop((left.gang, left.epoch), None)
-                gone: list[RelayedMember | DirectMember | PrivateMember | None] = [
-                    self.relayed.pop(change.key, None),
-                    self.direct.pop(change.key, None),
-                    self.private.pop(change.key, None),
-                ]
-                for runtime in gone:
-                    if runtime is not None:
-                        await runtime.stop()
-                if left:
-                    log.info("left %s epoch %d", left.gang, left.epoch)
+                self.grants.pop(change.key, None)
             else:
-                try:
-                    joined = await self._join(change.value)
-                    self.joined[change.key] = joined
-                    self._start_tasks[change.key] = self._starting.spawn(
-                        self._start_dataplane(change.key, joined),
-                        name=f"dataplane {joined.gang} epoch {joined.epoch}",
-                    )
-                    JOINS.labels(self.node, "joined").inc()
-                    log.info(
-                        "joined %s epoch %d as rank %d", joined.gang, joined.epoch, joined.rank
-                    )
-                except NodusError as error:
-                    JOINS.labels(self.node, error.code.value).inc()
-                    log.warning("join refused: %s", error)
+                self.grants[change.key] = change.value
+            self._granted_at[change.key] = loop.time()
+            await self._reconcile(change.key)
+
+    async def _reconcile_periodically(self) -> None:
+        """What the watch missed (a reconnect, a gap), and dataplanes that died on their own."""
+        while True:
+            await asyncio.sleep(RECONCILE_SECONDS)
+            try:
+                await self._reconcile_all()
+            except (NodusError, NatsError, OSError, TimeoutError) as error:
+                log.warning("reconcile pass failed, next in %.0f s: %s", RECONCILE_SECONDS, error)
+
+    async def _reconcile_all(self) -> None:
+        """Read the bus's join keys afresh, then reconcile every epoch known either side."""
+        read_at = asyncio.get_running_loop().time()
+        snapshot = await self.joinkeys.snapshot(f"{self.node}.>")
+        for key in set(self.grants) | set(snapshot):
+            if self._granted_at.get(key, 0.0) > read_at:
+                continue  # the watch said so after this read began: it knows better
+            if key in snapshot:
+                self.grants[key] = snapshot[key].value
+            else:
+                self.grants.pop(key, None)
+        for key in sorted(set(self.grants) | set(self.local)):
+            local = self.local.get(key)
+            if local is not None and key not in self.grants and local.since > read_at:
+                continue  # joined after the read began: its key is newer than the snapshot
+            await self._reconcile(key)
+
+    async def _reconcile(self, key: str) -> None:
+        async with self._lock:
+            grant = self.grants.get(key)
+            local = self.local.get(key)
+            live = grant is not None and not (grant.epoch is not None and grant.epoch.fenced)
+            if not live:
+                if local is not None:
+                    await self._leave(key, local)
+            elif local is None:
+                assert grant is not None
+                if self._refused.get(key) != grant.token:
+                    await self._join_grant(key, grant)
+            else:
+                await self._keep(key, local)
             JOINED.labels(self.node).set(len(self.joined))
+
+    async def _join_grant(self, key: str, grant: JoinKeyGrant) -> None:
+        try:
+            await self._join(grant, key)
+        except NodusError as error:
+            self._refused[key] = grant.token
+            JOINS.labels(self.node, error.code.value).inc()
+            if error.code is ErrorCode.CONFLICT and self.store is not None:
+                log.warning(
+                    "join refused: %s (redeemed by this node before, and nothing of it is on "
+                    "this machine's disk: it cannot be re-adopted)",
+                    error,
+                )
+            else:
+                log.warning("join refused: %s", error)
+            return
+        local = self.local[key]
+        JOINS.labels(self.node, "joined").inc()
+        log.info("joined %s epoch %d as rank %d", local.gang, local.epoch, local.state.joined.rank)
+        self._start(key, local, "started")
+
+    async def _keep(self, key: str, local: LocalEpoch) -> None:
+        """A live epoch that runs here: its records made sure of once after adoption, its
+        dataplane started again if it is not running (same key, with a growing pause)."""
+        if local.adopted:
+            local.adopted = False
+            member = self._member_of(local.state.epoch)
+            try:
+                await self._register_member(local.state.epoch, member, local.wg_private, again=True)
+            except NodusError as error:
+                log.warning("%s epoch %d: %s", local.gang, local.epoch, error)
+        if local.state.dataplane is None or local.starting is not None:
+            return
+        if local.dataplane is not None and local.dataplane.running():
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < local.retry_at:
+            return
+        outcome = "started"
+        if local.dataplane is not None or local.failures:
+            log.warning(
+                "%s epoch %d: the dataplane is not running; starting it again",
+                local.gang,
+                local.epoch,
+            )
+            local.dataplane = None
+            outcome = "restarted"
+        self._start(key, local, outcome)
+
+    async def _leave(self, key: str, local: LocalEpoch) -> None:
+        """The epoch is fenced or ended (its key deleted), maybe while no agent ran: its ranks,
+        dataplane and port rules stop, and nothing of it stays (G9)."""
+        await self.gangs.stop_epoch(local.gang, local.epoch)
+        await self._forget_introductions(local.gang, local.epoch)
+        await self._stop_local(local)
+        self.local.pop(key, None)
+        self.joined.pop(key, None)
+        self.epoch_records.pop((local.gang, local.epoch), None)
+        self._refused.pop(key, None)
+        if self.store is not None:
+            self.store.remove(key)
+        log.info("left %s epoch %d", local.gang, local.epoch)
+
+    async def _stop_local(self, local: LocalEpoch) -> None:
+        if local.starting is not None and not local.starting.done():
+            local.starting.cancel()  # the epoch ended while its dataplane started
+            try:
+                await local.starting
+            except BaseException:  # its end is the point
+                pass
+        if local.dataplane is not None:
+            await local.dataplane.stop()
+            local.dataplane = None
+        if local.private is not None:
+            await local.private.stop()
+            local.private = None
+
+    # -- what is on disk ---------------------------------------------------------------------
+
+    async def _read_back(self) -> None:
+        """The epochs the agent before this one joined, as the machine's disk kept them. Same
+        boot: adopted (their key's liveness is the reconcile's to check). Another boot (a
+        reboot): their processes are killed and they are forgotten; the placer ends them."""
+        if self.store is None:
+            return
+        for stored in self.store.load_all():
+            key = stored.state.key
+            process = stored.process
+            if process is not None and process.boot_id != self.boot_id:
+                if kill_stale(process):
+                    DATAPLANES.labels(self.node, "killed").inc()
+                await self._end_other_boot(stored)
+                self.store.remove(key)
+                log.info(
+                    "%s epoch %d: of another boot (%s): stopped, not adopted",
+                    stored.state.joined.gang,
+                    stored.state.joined.epoch,
+                    process.boot_id,
+                )
+                continue
+            self._adopt(stored)
+
+    async def _end_other_boot(self, stored: Stored) -> None:
+        """A lab reboot leaves the kernel (and its port rules) in place: remove them."""
+        epoch = stored.state.epoch
+        if epoch.path is PathClass.PRIVATE and self.port_rules and self.boot.simulated:
+            await PrivateMember(self._port_rules(epoch)).stop()
+
+    def _adopt(self, stored: Stored) -> None:
+        state = stored.state
+        local = LocalEpoch(
+            state, stored.wg_private, asyncio.get_running_loop().time(), adopted=True
+        )
+        self.local[state.key] = local
+        self.epoch_records[(state.joined.gang, state.joined.epoch)] = state.epoch
+        self.joined[state.key] = state.joined
+        self.guard.advance(state.joined.gang, state.joined.epoch)
+        if state.dataplane is not None and stored.process is not None:
+            if self.launch is not None and self.store is not None:
+                local.dataplane = ProcessDataplane.adopt(self.store, state.key, stored.process)
+            if local.dataplane is not None:
+                DATAPLANES.labels(self.node, "adopted").inc()
+            elif kill_stale(stored.process):  # this agent runs dataplanes in its own process
+                log.info("%s: its dataplane process stopped; it runs here now", state.key)
+        if state.epoch.path is PathClass.PRIVATE and self.port_rules:
+            local.private = PrivateMember(self._port_rules(state.epoch))
+            self._starting.spawn(local.private.adopt(), name=f"port rules {state.key}")
+        log.info("%s epoch %d: adopted from disk", state.joined.gang, state.joined.epoch)
 
     async def _introduce(self, epoch: Epoch, record: Member) -> None:
         """This member's record for each peer, addressed to it: peers read only what is
@@ -298,10 +550,13 @@ class Agent:
                     log.info("%s epoch %d: its introductions stay: %s", gang, epoch, error)
                     return
 
-    async def _register_member(self, epoch: Epoch, member: EpochMember) -> bytes:
-        """A fresh WireGuard key per epoch, bound to this node once (relays admit only it,
-        S2), recorded and introduced to the peers; the private half."""
-        private = generate_private_key()
+    async def _register_member(
+        self, epoch: Epoch, member: EpochMember, private: bytes, again: bool = False
+    ) -> None:
+        """This epoch's WireGuard key, bound to this node once (relays admit only it, S2),
+        recorded and introduced to the peers. Made sure of again after an adoption: the record
+        already there is this node's (only it may write that key), the introductions are put
+        again (the same record)."""
         record = Member(
             gang=epoch.gang,
             epoch=epoch.epoch,
@@ -312,13 +567,18 @@ class Agent:
             joined_time=now(),
         )
         key = names.member_key(epoch.gang, epoch.epoch, self.node)
-        if await self.members.create(key, record) is None:
+        try:
+            created = await self.members.create(key, record)
+        except (NatsError, OSError, TimeoutError) as error:
+            raise NodusError(
+                ErrorCode.JOURNAL_UNAVAILABLE, f"{key}: the member record not written: {error!r}"
+            ) from None
+        if created is None and not again:
             raise NodusError(
                 ErrorCode.CONFLICT,
                 f"{self.node} already holds a key in {epoch.gang} epoch {epoch.epoch}",
             )
         await self._introduce(epoch, record)
-        return private
 
     def _joined_epoch(self, gang: str, epoch: int) -> Epoch:
         """An epoch this node holds a key of, as the key brought it. One it left (its key was
@@ -333,74 +593,92 @@ class Agent:
             )
         return record
 
-    async def _start_dataplane(self, key: str, joined: JoinedEpoch) -> None:
-        """One epoch's dataplane. One that cannot start is this epoch's failure, not the
-        agent's: said, and left to the probe, which fails the epoch (G12)."""
+    # -- joining and dataplanes --------------------------------------------------------------
+
+    def _member_of(self, epoch: Epoch) -> EpochMember:
+        member = next((m for m in epoch.members if m.node == self.node), None)
+        if member is None:
+            raise NodusError(ErrorCode.INVALID, f"{self.node} is not a member of {epoch.gang}")
+        return member
+
+    def _port_rules(self, epoch: Epoch) -> PortRules:
+        member = self._member_of(epoch)
+        return PortRules(
+            gang=epoch.gang,
+            epoch=epoch.epoch,
+            interface=member.interface,
+            members=tuple(m.address for m in epoch.members if m.node != self.node),
+            rendezvous_port=int(member.env.get("MASTER_PORT", "29500")),
+            ephemeral=ephemeral_range(),
+        )
+
+    def _dataplane_spec(self, epoch: Epoch) -> DataplaneSpec | None:
+        """On the Relayed path: the tunnel through the relays and the SOCKS5 entry (G14); on
+        the Direct path: nodus0 and ICE with every peer (G7, G11). The Private path's port
+        rules are kernel state the agent writes itself (G22)."""
+        if epoch.path is PathClass.RELAYED:
+            return DataplaneSpec(kind="relayed", node=self.node, socks_listen=self.socks_endpoint)
+        if epoch.path is PathClass.DIRECT and self.nodus0:
+            return DataplaneSpec(kind="direct", node=self.node, underlay=self.inventory.address)
+        return None
+
+    def _start(self, key: str, local: LocalEpoch, outcome: str) -> None:
+        local.starting = self._starting.spawn(
+            self._run_dataplane(key, local, outcome),
+            name=f"dataplane {local.gang} epoch {local.epoch}",
+        )
+
+    async def _run_dataplane(self, key: str, local: LocalEpoch, outcome: str) -> None:
+        """Start one epoch's dataplane. One that cannot start is this epoch's failure, not the
+        agent's: said, tried again later (the reconcile), and left to the probe, which fails
+        the epoch (G12)."""
         try:
-            await self._start_epoch_dataplane(key, joined)
+            if local.state.epoch.path is PathClass.PRIVATE and self.port_rules:
+                private = PrivateMember(self._port_rules(local.state.epoch))
+                await private.start()
+                local.private = private
+                return
+            if local.state.dataplane is None:
+                return
+            dataplane = self._new_dataplane(key, local)
+            local.dataplane = dataplane
+            try:
+                await dataplane.start()
+            except BaseException:
+                if local.dataplane is dataplane:
+                    local.dataplane = None
+                await dataplane.stop()
+                raise
+            local.failures = 0
+            DATAPLANES.labels(self.node, outcome).inc()
         except (NodusError, OSError, TimeoutError) as error:
+            local.failures += 1
+            pause = min(RETRY_MOST, RETRY_FIRST * 2 ** (local.failures - 1))
+            local.retry_at = asyncio.get_running_loop().time() + pause
+            DATAPLANES.labels(self.node, "failed").inc()
             log.warning(
-                "%s epoch %d: the dataplane did not start: %s", joined.gang, joined.epoch, error
+                "%s epoch %d: the dataplane did not start (again in %.0f s): %s",
+                local.gang,
+                local.epoch,
+                pause,
+                error,
             )
         finally:
-            self._start_tasks.pop(key, None)
+            local.starting = None
 
-    async def _start_epoch_dataplane(self, key: str, joined: JoinedEpoch) -> None:
-        """On the Relayed path: the tunnel through the relays and the SOCKS5 entry (G14); on
-        the Direct path: nodus0 and ICE with every peer (G7, G11); on the Private path: the
-        port rules on the private network (G22)."""
-        epoch_record = self.epoch_records.get((joined.gang, joined.epoch))
-        if epoch_record is None:
-            return
-        member = next(m for m in epoch_record.members if m.node == self.node)
-        wg_private = self._wg_keys[f"{joined.gang}.{joined.epoch}"]
-        if epoch_record.path is PathClass.DIRECT and self.nodus0:
-            direct = DirectMember(
-                self.bus, epoch_record, member, wg_private, underlay=self.inventory.address
-            )
-            self.direct[key] = direct  # the probe may ask for its paths while it starts
-            try:
-                await direct.start()
-            except Exception:
-                self.direct.pop(key, None)
-                await direct.stop()
-                raise
-            return
-        if epoch_record.path is PathClass.PRIVATE and self.port_rules:
-            private = PrivateMember(
-                PortRules(
-                    gang=joined.gang,
-                    epoch=joined.epoch,
-                    interface=member.interface,
-                    members=tuple(m.address for m in epoch_record.members if m.node != self.node),
-                    rendezvous_port=int(member.env.get("MASTER_PORT", "29500")),
-                    ephemeral=ephemeral_range(),
-                )
-            )
-            await private.start()
-            self.private[key] = private
-            return
-        if epoch_record.path is not PathClass.RELAYED:
-            return
-        host, _, port = self.socks_endpoint.rpartition(":")
-        runtime = RelayedMember(
-            self.bus,
-            epoch_record,
-            member,
-            wg_private,
-            (host, int(port)),
-        )
-        try:
-            await runtime.start()
-        except Exception:
-            await runtime.stop()
-            raise
-        self.relayed[key] = runtime
+    def _new_dataplane(self, key: str, local: LocalEpoch) -> Dataplane:
+        if self.launch is not None and self.store is not None:
+            return ProcessDataplane.spawn(self.launch, self.store, key, self.boot_id)
+        # Imported here: the agent daemon runs dataplanes in processes, and their metric
+        # families must be the processes' alone on its /metrics.
+        from services.agent.dataplane.inline import InlineDataplane
 
-    async def _join(self, grant: JoinKeyGrant) -> JoinedEpoch:
-        """Verify the key against the persisted epoch, then use it once."""
-        t = now()
-        claims = verify_join_key(grant.token, grant.verify_key, t)
+        return InlineDataplane.build(self.bus, local.state, local.wg_private)
+
+    def _verify(self, grant: JoinKeyGrant) -> tuple[Epoch, EpochMember, str]:
+        """The grant's key checked against the epoch it brings: signed by the epoch's mesh
+        identity, for this node, not stale, not fenced (C2, G9); its nonce."""
+        claims = verify_join_key(grant.token, grant.verify_key, now())
         current = self.guard.current(claims.gang)
         if current is not None and claims.epoch < current:
             raise NodusError(
@@ -423,29 +701,48 @@ class Agent:
             raise NodusError(
                 ErrorCode.INVALID, "join key was not signed by the epoch's mesh identity"
             )
-        member = next((m for m in epoch.members if m.node == self.node), None)
-        if member is None:
-            raise NodusError(ErrorCode.INVALID, f"{self.node} is not a member of {claims.gang}")
+        return epoch, self._member_of(epoch), claims.nonce
+
+    async def _join(self, grant: JoinKeyGrant, key: str | None = None) -> None:
+        """Verify the key against the persisted epoch, use it once, and keep what the next
+        agent needs on disk before the key is announced: an agent killed at any point after
+        finds the epoch there (or never redeemed it)."""
+        epoch, member, nonce = self._verify(grant)
+        key = key or names.joinkey_key(self.node, epoch.gang, epoch.epoch)
+        t = now()
         redemption = JoinRedemption(
-            gang=claims.gang, epoch=claims.epoch, node=self.node, redeemed_time=t
+            gang=epoch.gang, epoch=epoch.epoch, node=self.node, redeemed_time=t
         )
-        if (
-            await self.redeemed.create(names.redeemed_key(self.node, claims.nonce), redemption)
-            is None
-        ):
+        if await self.redeemed.create(names.redeemed_key(self.node, nonce), redemption) is None:
             raise NodusError(
                 ErrorCode.CONFLICT,
-                f"join key for {claims.gang} epoch {claims.epoch} was already used",
+                f"join key for {epoch.gang} epoch {epoch.epoch} was already used",
             )
-        # The probe and the launch ask for it as soon as the member record below is seen.
-        self.epoch_records[(claims.gang, claims.epoch)] = epoch
-        try:
-            private = await self._register_member(epoch, member)
-        except BaseException:
-            self.epoch_records.pop((claims.gang, claims.epoch), None)
-            raise
-        self._wg_keys[f"{claims.gang}.{claims.epoch}"] = private
-        self.guard.advance(claims.gang, claims.epoch)
-        return JoinedEpoch(
-            gang=claims.gang, epoch=claims.epoch, rank=member.rank, address=member.address
+        private = generate_private_key()
+        joined = JoinedEpoch(
+            gang=epoch.gang, epoch=epoch.epoch, rank=member.rank, address=member.address
         )
+        state = EpochState(
+            key=key,
+            epoch=epoch,
+            joined=joined,
+            joined_time=t,
+            dataplane=self._dataplane_spec(epoch),
+        )
+        if self.store is not None:
+            await asyncio.to_thread(self.store.save, state, private)
+        local = LocalEpoch(state, private, asyncio.get_running_loop().time())
+        # The probe and the launch ask for it as soon as the member record below is seen.
+        self.local[key] = local
+        self.epoch_records[(epoch.gang, epoch.epoch)] = epoch
+        self.joined[key] = joined
+        try:
+            await self._register_member(epoch, member, private)
+        except BaseException:
+            self.local.pop(key, None)
+            self.joined.pop(key, None)
+            self.epoch_records.pop((epoch.gang, epoch.epoch), None)
+            if self.store is not None:
+                self.store.remove(key)
+            raise
+        self.guard.advance(epoch.gang, epoch.epoch)

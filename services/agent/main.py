@@ -16,6 +16,7 @@ from libs.discovery.gpus import DiscoveryError
 from libs.runtime import add_common_flags, run_daemon
 from libs.runtime.service import RestartProcess
 from services.agent.agent import Agent
+from services.agent.dataplane.supervisor import Launch, log_dir_beside_stderr
 from services.agent.discover import MACHINE_FILE, discover, load_facts
 from services.agent.inventory import Described
 
@@ -140,12 +141,17 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         nodus0=args.nodus0,
         port_rules=args.port_rules,
         restart=reboot,
+        # Each epoch's dataplane in a process of its own, on the bus as this agent's user,
+        # logging beside this agent's log (O4).
+        dataplanes=Launch(args.nats, args.credentials, log_dir_beside_stderr()),
     )
     try:
         await agent.start()
         await stop.wait()
     finally:
-        await agent.stop()
+        # The daemon stops, the machine does not (an upgrade, a crash, the lab's reboot, whose
+        # new agent ends what the old boot ran): ranks, dataplanes and port rules stay.
+        await agent.stop(keep_workloads=True)
         await bus.close()
     if rebooting.is_set():
         raise RestartProcess("the machine reboots: a new boot id, its ranks and tunnels gone")

@@ -29,3 +29,19 @@ async def apply(script: str, what: str) -> None:
             ErrorCode.ADDRESS_UNAVAILABLE,
             f"{what}: nftables refused: {stderr.decode(errors='replace').strip()}",
         )
+
+
+async def table_exists(family: str, table: str) -> bool:
+    try:
+        process = await asyncio.create_subprocess_exec(
+            "nft",
+            "list",
+            "table",
+            family,
+            table,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+    except FileNotFoundError:
+        return False
+    return await process.wait() == 0

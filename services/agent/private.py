@@ -87,6 +87,14 @@ class PrivateMember:
             ", ".join(self.rules.members) or "nobody",
         )
 
+    async def adopt(self) -> None:
+        """An agent started again on the same boot: the rules are kernel state and still hold;
+        they are written only if missing (never deleted and made again under live traffic)."""
+        if await nft.table_exists("inet", self.rules.table):
+            log.info("%s epoch %d: port rules adopted", self.rules.gang, self.rules.epoch)
+            return
+        await self.start()
+
     async def stop(self) -> None:
         try:
             await nft.apply(self.rules.render_delete(), "removing the private network's port rules")

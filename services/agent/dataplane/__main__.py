@@ -1,0 +1,5 @@
+import sys
+
+from services.agent.dataplane.process import main
+
+sys.exit(main())
