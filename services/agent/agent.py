@@ -18,6 +18,7 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import msgspec
@@ -417,7 +418,13 @@ class Agent:
             local.adopted = False
             member = self._member_of(local.state.epoch)
             try:
-                await self._register_member(local.state.epoch, member, local.wg_private, again=True)
+                await self._register_member(
+                    local.state.epoch,
+                    member,
+                    local.wg_private,
+                    local.state.joined_time,
+                    again=True,
+                )
             except NodusError as error:
                 log.warning("%s epoch %d: %s", local.gang, local.epoch, error)
         if local.state.dataplane is None or local.starting is not None:
@@ -428,6 +435,8 @@ class Agent:
         if loop.time() < local.retry_at:
             return
         outcome = "started"
+        if local.dataplane is not None and not await self._still_granted(key):
+            return  # it ended because its key is gone: the watch is about to say so
         if local.dataplane is not None or local.failures:
             log.warning(
                 "%s epoch %d: the dataplane is not running; starting it again",
@@ -437,6 +446,18 @@ class Agent:
             local.dataplane = None
             outcome = "restarted"
         self._start(key, local, outcome)
+
+    async def _still_granted(self, key: str) -> bool:
+        try:
+            grant = await self.joinkeys.get(key)
+        except (NodusError, NatsError, OSError, TimeoutError):
+            return True  # the bus is away: the next pass knows better
+        if grant is None:
+            self.grants.pop(key, None)
+            self._granted_at[key] = asyncio.get_running_loop().time()
+            await self._leave(key, self.local[key])
+            return False
+        return True
 
     async def _leave(self, key: str, local: LocalEpoch) -> None:
         """The epoch is fenced or ended (its key deleted), maybe while no agent ran: its ranks,
@@ -551,12 +572,17 @@ class Agent:
                     return
 
     async def _register_member(
-        self, epoch: Epoch, member: EpochMember, private: bytes, again: bool = False
+        self,
+        epoch: Epoch,
+        member: EpochMember,
+        private: bytes,
+        joined_time: datetime,
+        again: bool = False,
     ) -> None:
         """This epoch's WireGuard key, bound to this node once (relays admit only it, S2),
-        recorded and introduced to the peers. Made sure of again after an adoption: the record
-        already there is this node's (only it may write that key), the introductions are put
-        again (the same record)."""
+        recorded and introduced to the peers. `again`, after an adoption (the agent before may
+        have died half-way): the same record put again, byte for byte (only this node may
+        write its key, and it reads no members: a create would ask what is there)."""
         record = Member(
             gang=epoch.gang,
             epoch=epoch.epoch,
@@ -564,20 +590,21 @@ class Agent:
             rank=member.rank,
             address=member.address,
             wg_public_key=key_to_base64(public_key(private)),
-            joined_time=now(),
+            joined_time=joined_time,
         )
         key = names.member_key(epoch.gang, epoch.epoch, self.node)
         try:
-            created = await self.members.create(key, record)
+            if again:
+                await self.members.put(key, record)
+            elif await self.members.create(key, record) is None:
+                raise NodusError(
+                    ErrorCode.CONFLICT,
+                    f"{self.node} already holds a key in {epoch.gang} epoch {epoch.epoch}",
+                )
         except (NatsError, OSError, TimeoutError) as error:
             raise NodusError(
                 ErrorCode.JOURNAL_UNAVAILABLE, f"{key}: the member record not written: {error!r}"
             ) from None
-        if created is None and not again:
-            raise NodusError(
-                ErrorCode.CONFLICT,
-                f"{self.node} already holds a key in {epoch.gang} epoch {epoch.epoch}",
-            )
         await self._introduce(epoch, record)
 
     def _joined_epoch(self, gang: str, epoch: int) -> Epoch:
@@ -737,7 +764,7 @@ class Agent:
         self.epoch_records[(epoch.gang, epoch.epoch)] = epoch
         self.joined[key] = joined
         try:
-            await self._register_member(epoch, member, private)
+            await self._register_member(epoch, member, private, t)
         except BaseException:
             self.local.pop(key, None)
             self.joined.pop(key, None)
