@@ -445,7 +445,31 @@ class Agent:
             )
             local.dataplane = None
             outcome = "restarted"
+        if local.state.dataplane.kind == "relayed":
+            try:
+                await self._rekey(key, local)
+            except NodusError as error:
+                log.warning("%s epoch %d: %s", local.gang, local.epoch, error)
+                return
         self._start(key, local, outcome)
+
+    async def _rekey(self, key: str, local: LocalEpoch) -> None:
+        """A Relayed dataplane starting again (it died, or ran inside the agent before this
+        one) does so under a fresh WireGuard key of this node's: its peers' tunnels kept the
+        in-tunnel link's sequence numbers of the process that is gone, and would drop the
+        newcomer's messages as duplicates under the old key; under a new one each peer meets
+        a new peer with a fresh link. (Direct keeps its key: WireGuard's own handshake
+        carries a restarted peer, and no link state lives above it.) The connections that
+        ran through the dead process are gone with it either way."""
+        private = generate_private_key()
+        t = now()
+        state = msgspec.structs.replace(local.state, joined_time=t)
+        if self.store is not None:
+            await asyncio.to_thread(self.store.save, state, private)
+        local.state, local.wg_private = state, private
+        member = self._member_of(state.epoch)
+        await self._register_member(state.epoch, member, private, t, again=True)
+        log.info("%s epoch %d: a fresh WireGuard key for its tunnel", local.gang, local.epoch)
 
     async def _still_granted(self, key: str) -> bool:
         try:

@@ -112,6 +112,15 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--state-dir", type=Path, help="this machine's files (STATE_DIR/machines/NAME)"
     )
+    parser.add_argument(
+        "--dataplane-processes",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("NODUS_DATAPLANE_PROCESSES", "1") != "0",
+        help="run each Relayed and Direct epoch's dataplane in a process of its own, which an "
+        "agent restart (an upgrade, a crash) leaves running and the next agent re-adopts "
+        "(env NODUS_DATAPLANE_PROCESSES=0 turns it off: the dataplanes then end with the "
+        "agent, as before; for comparisons)",
+    )
 
 
 async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
@@ -143,7 +152,11 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         restart=reboot,
         # Each epoch's dataplane in a process of its own, on the bus as this agent's user,
         # logging beside this agent's log (O4).
-        dataplanes=Launch(args.nats, args.credentials, log_dir_beside_stderr()),
+        dataplanes=(
+            Launch(args.nats, args.credentials, log_dir_beside_stderr())
+            if args.dataplane_processes
+            else None
+        ),
     )
     try:
         await agent.start()
