@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 from nats.errors import Error as NatsError
@@ -54,6 +55,10 @@ from services.agent.dataplane.supervisor import (
 from services.agent.gangwork import GangWork
 from services.agent.inventory import Described, capabilities_of, inventory_of
 from services.agent.private import PortRules, PrivateMember, ephemeral_range
+
+if TYPE_CHECKING:  # not imported at run time: their metrics are the dataplane processes'
+    from services.agent.direct import DirectMember
+    from services.agent.member import RelayedMember
 
 log = logging.getLogger("nodus.agent")
 
@@ -186,13 +191,13 @@ class Agent:
             return None
 
     @property
-    def relayed(self) -> dict[str, object]:
+    def relayed(self) -> dict[str, RelayedMember]:
         """The Relayed dataplanes that run in this process and are up (tests look inside)."""
-        return self._inline("relayed")
+        return self._inline("relayed")  # type: ignore[return-value]
 
     @property
-    def direct(self) -> dict[str, object]:
-        return self._inline("direct")
+    def direct(self) -> dict[str, DirectMember]:
+        return self._inline("direct")  # type: ignore[return-value]
 
     @property
     def private(self) -> dict[str, PrivateMember]:
