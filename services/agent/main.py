@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 from pathlib import Path
 
 from libs.bus import Bus
@@ -17,6 +18,7 @@ from libs.runtime import add_common_flags, run_daemon
 from libs.runtime.service import RestartProcess
 from services.agent.agent import Agent
 from services.agent.discover import MACHINE_FILE, discover, load_facts
+from services.agent.hostpower import DEFAULT_COMMAND as DEFAULT_REBOOT_COMMAND
 from services.agent.inventory import Described
 
 
@@ -111,6 +113,20 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--state-dir", type=Path, help="this machine's files (STATE_DIR/machines/NAME)"
     )
+    parser.add_argument(
+        "--host-reboot",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let the remediator reboot this host in-band (R18): the agent drains its ranks, "
+        "then runs --reboot-command. Off by default; needs the right to reboot (root, or a "
+        "polkit rule for org.freedesktop.login1.reboot)",
+    )
+    parser.add_argument(
+        "--reboot-command",
+        type=shlex.split,
+        default=list(DEFAULT_REBOOT_COMMAND),
+        help="how --host-reboot reboots this host (default: systemctl reboot)",
+    )
 
 
 async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
@@ -140,6 +156,8 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         nodus0=args.nodus0,
         port_rules=args.port_rules,
         restart=reboot,
+        host_reboot=args.host_reboot,
+        reboot_command=args.reboot_command,
     )
     try:
         await agent.start()
