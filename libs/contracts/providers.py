@@ -42,10 +42,13 @@ SUPPORTED: dict[ProviderKind, frozenset[Action]] = {
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
 
 
+BmcUrl = Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s/]+(/[^\s]*)?$")]
+
+
 class Bmc(Record):
     """One node's BMC: its Redfish service root and, when it manages several, the system."""
 
-    address: Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s]+$")]
+    address: BmcUrl
     system: str | None = None  # e.g. /redfish/v1/Systems/1; default: the only system
 
 
@@ -53,7 +56,7 @@ class RedfishSettings(Record):
     # A YAML/JSON file {username, password}, readable by the remediator only; never the config.
     credentials_file: str
     # node -> BMC (a URL, or {address, system}); nodes not listed use `address_template`.
-    bmcs: dict[str, Bmc | str] = {}
+    bmcs: dict[str, Bmc | BmcUrl] = {}
     # e.g. "https://{node}-bmc.mgmt.example.com": BMC names derived from node names.
     address_template: str | None = None
     # true, false (a lab's self-signed BMC) or a CA bundle path.
