@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from libs.contracts.errors import NodusError
 from libs.contracts.providers import DEFAULT_POOL, ProviderKind
@@ -104,3 +105,14 @@ def test_credentials_come_from_their_own_file(tmp_path: Path) -> None:
     assert "password" in refused.value.message and "s3cret" not in refused.value.message
     with pytest.raises(NodusError, match="No such file"):
         load_credentials(str(tmp_path / "missing.yaml"))
+
+
+def test_the_shipped_configs_load(tmp_path: Path) -> None:
+    """examples/remediator.yaml and the ConfigMap in deploy/kubernetes/remediator.yaml."""
+    repo = Path(__file__).resolve().parents[2]
+    example = load_config(repo / "examples" / "remediator.yaml")
+    assert example.providers["h100"].kind_for(Action.POWER_CYCLE) is ProviderKind.REDFISH
+    docs = yaml.safe_load_all((repo / "deploy" / "kubernetes" / "remediator.yaml").read_text())
+    [config_map] = [d for d in docs if d and d["kind"] == "ConfigMap"]
+    deployed = load_config(write(tmp_path, config_map["data"]["remediator.yaml"]))
+    assert deployed.providers[DEFAULT_POOL].kind_for(Action.DELETE) is ProviderKind.EXEC
