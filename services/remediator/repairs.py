@@ -135,7 +135,7 @@ class Repairs:
             self.replica,
             f"{rem.action.value} starts: {idle.reason}",
             started_time=now,
-            op_id=f"{rem.id}.op",
+            op_id=f"{rem.id}.op",  # providers.router.op_remediation reads it back
             executor=self.replica,
             claim_time=now,
             boot_id_before=health.value.boot_id if health else "",
