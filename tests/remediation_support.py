@@ -32,7 +32,8 @@ from services.remediator.detectors.machine import MachinePaths
 from services.remediator.guardrails import Settings
 from services.remediator.main import BUCKETS
 from services.remediator.monitor import Monitor
-from services.remediator.provider import LocalProvider
+from services.remediator.ondemand import Diagnostics
+from services.remediator.provider import LocalProvider, MachineProvider
 from services.remediator.service import Remediator
 from tests.factories import machine
 
@@ -51,16 +52,16 @@ class Clock:
 
 
 class CountingProvider:
-    """The local provider, counting the actions it actually carried out."""
+    """A machine provider (the local one by default), counting the actions it carried out."""
 
-    def __init__(self, inner: LocalProvider, log: list[tuple[str, Action, str]]) -> None:
+    def __init__(self, inner: MachineProvider, log: list[tuple[str, Action, str]]) -> None:
         self.inner = inner
         self.log = log
 
-    async def execute(self, node: str, action: Action, op_id: str) -> None:
+    async def execute(self, node: str, action: Action, op_id: str) -> str | None:
         if not await self.inner.executed(node, op_id):
             self.log.append((node, action, op_id))
-        await self.inner.execute(node, action, op_id)
+        return await self.inner.execute(node, action, op_id)
 
     async def executed(self, node: str, op_id: str) -> bool:
         return await self.inner.executed(node, op_id)
@@ -98,10 +99,14 @@ class Fleet:
     def machine_dir(self, node: str) -> Path:
         return self.state_dir / "machines" / node
 
-    async def add_machines(self, names_: list[str], **fields: Any) -> None:
+    async def add_machines(
+        self, names_: list[str], agent_options: dict[str, Any] | None = None, **fields: Any
+    ) -> None:
         for name in names_:
             faults.ensure_baseline(self.machine_dir(name), gpus=2, ib_ports=1)
-            agent = Agent(self.bus, machine(name, **fields), heartbeat_seconds=0.2)
+            agent = Agent(
+                self.bus, machine(name, **fields), heartbeat_seconds=0.2, **(agent_options or {})
+            )
             await agent.start()
             self.agents[name] = agent
         if self.monitor is not None:
@@ -116,13 +121,23 @@ class Fleet:
         await self.monitor.follow_health()
 
     async def start_remediator(
-        self, replica: str = "r1", settings: Settings | None = None
+        self,
+        replica: str = "r1",
+        settings: Settings | None = None,
+        provider: Callable[[Bus, str], MachineProvider] | None = None,
     ) -> Remediator:
+        """A replica on its own connection; `provider(bus, replica)` builds its machine
+        provider (default: the local one)."""
         bus = await Bus.open(self.url, name=replica, buckets=BUCKETS, streams=True)
-        provider = CountingProvider(LocalProvider(bus, self.state_dir, self.clock), self.executed)
+        inner = (
+            provider(bus, replica)
+            if provider is not None
+            else LocalProvider(bus, self.state_dir, self.clock)
+        )
+        provider_ = CountingProvider(inner, self.executed)
         remediator = Remediator(
             bus,
-            provider,
+            provider_,
             settings or TEST_SETTINGS,
             replica=replica,
             clock=self.clock,
@@ -149,6 +164,13 @@ class Fleet:
             await agent.stop()
         if self.monitor is not None:
             await self.monitor.stop()
+
+    async def serve_diagnostics(self) -> None:
+        """Answer `diagnose` for every machine, as each machine's monitor does (R18)."""
+        machines = {n: MachinePaths.under(self.machine_dir(n)) for n in self.agents}
+        await self.bus.serve(
+            "nodus-monitor", "0.0.0", "test monitor", list(Diagnostics(machines).endpoints())
+        )
 
     def inject(self, node: str, kind: str, sticky: bool = False, **options: Any) -> str:
         return faults.inject(self.machine_dir(node), faults.Fault(kind=kind, **options), sticky)

@@ -132,6 +132,8 @@ BUCKET_CORDONS = "nodus-cordons"  # node -> Cordon (the placer skips cordoned no
 BUCKET_REPAIR_SLOTS = "nodus-repair-slots"  # node.<n> | pool.<p> | cluster.<c> -> RepairSlots
 BUCKET_MACHINES = "nodus-machines"  # node -> MachineState (the local machine provider)
 BUCKET_HOSTS = "nodus-hosts"  # host id -> HostRecord (hosts in revalidation, R15)
+# op id -> ProviderOp: what a real machine provider carried out; created before it runs (R14)
+BUCKET_PROVIDER_OPS = "nodus-provider-ops"
 BUCKET_NODE_LABELS = "nodus-node-labels"  # node -> NodeLabels (set through the API, R8)
 
 REMEDIATION_BUCKETS = [
@@ -146,6 +148,7 @@ REMEDIATION_BUCKETS = [
     BUCKET_REPAIR_SLOTS,
     BUCKET_MACHINES,
     BUCKET_HOSTS,
+    BUCKET_PROVIDER_OPS,
     BUCKET_NODE_LABELS,
 ]
 ALL_BUCKETS += [BUCKET_CORDONS]  # the placer reads cordons

@@ -248,6 +248,7 @@ class Remediation(Record):
     host_before: str = ""
     host_after: str = ""
     issue_skipped: str = ""  # why the action was not issued (R12: the host already came back)
+    provider_answer: str = ""  # what the machine provider answered (R18): BMC, command, agent
     interrupted: list[str] = []  # gangs still running when the max wait ran out (R6)
     diagnostics: list[str] = []
     history: list[Transition] = []

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -37,6 +37,7 @@ from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Machine, NodeHealth, NodeRecord
 from libs.contracts.jobs import PathClass
 from libs.contracts.lifecycle import JoinedEpoch, JoinedEpochsReply, JoinedEpochsRequest
+from libs.contracts.providers import HealthCheckRequest, HostRebootRequest
 from libs.contracts.relay import Member
 from libs.contracts.remediation import RebootReply, RebootRequest
 from libs.mesh import verify_join_key
@@ -53,6 +54,9 @@ from services.agent.dataplane.supervisor import (
     kill_stale,
 )
 from services.agent.gangwork import GangWork
+from services.agent.health import AgentHealth
+from services.agent.hostpower import DEFAULT_COMMAND as DEFAULT_REBOOT_COMMAND
+from services.agent.hostpower import HostPower, drain_ranks
 from services.agent.inventory import Described, capabilities_of, inventory_of
 from services.agent.private import PortRules, PrivateMember, ephemeral_range
 
@@ -113,6 +117,8 @@ class Agent:
         port_rules: bool = False,
         restart: Callable[[], None] | None = None,
         dataplanes: Launch | None = None,
+        host_reboot: bool = False,
+        reboot_command: Sequence[str] = DEFAULT_REBOOT_COMMAND,
     ) -> None:
         self.bus = bus
         # How epochs' dataplanes run: each in a process of its own that outlives this agent
@@ -172,6 +178,16 @@ class Agent:
             self._joined_epoch,
             scratch_dir=state / "scratch" if state_dir else None,
         )
+        # Repairs that reach the real machine (R18): in-band reboot (off unless enabled) and
+        # the agent's part of revalidation.
+        self.hostpower = HostPower(
+            self.node,
+            host_reboot,
+            lambda grace: drain_ranks(self.gangs.runner, grace),
+            reboot_command,
+            state / "host-reboot.op" if state_dir else None,
+        )
+        self.health_check = AgentHealth(self.node, state)
 
     async def _path_of(self, gang: str, epoch: int, peer: str) -> str | None:
         """The path to `peer` the workload's bytes take now: the tunnel's relay on the
@@ -245,6 +261,19 @@ class Agent:
                 *self.gangs.endpoints(),
                 Endpoint(
                     "reboot", names.node_request(self.node, "reboot"), RebootRequest, self.reboot
+                ),
+                # R18: the remediator's in-band reboot and revalidation on this machine
+                Endpoint(
+                    "host-reboot",
+                    names.node_request(self.node, "host-reboot"),
+                    HostRebootRequest,
+                    lambda request: self.hostpower.reboot(request, self.boot_id),
+                ),
+                Endpoint(
+                    "health",
+                    names.node_request(self.node, "health"),
+                    HealthCheckRequest,
+                    lambda request: self.health_check.check(request, self.boot_id),
                 ),
             ],
         )

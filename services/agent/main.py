@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 from pathlib import Path
 
 from libs.bus import Bus
@@ -18,6 +19,7 @@ from libs.runtime.service import RestartProcess
 from services.agent.agent import Agent
 from services.agent.dataplane.supervisor import Launch, log_dir_beside_stderr
 from services.agent.discover import MACHINE_FILE, discover, load_facts
+from services.agent.hostpower import DEFAULT_COMMAND as DEFAULT_REBOOT_COMMAND
 from services.agent.inventory import Described
 
 
@@ -121,6 +123,20 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         "(env NODUS_DATAPLANE_PROCESSES=0 turns it off: the dataplanes then end with the "
         "agent, as before; for comparisons)",
     )
+    parser.add_argument(
+        "--host-reboot",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let the remediator reboot this host in-band (R18): the agent drains its ranks, "
+        "then runs --reboot-command. Off by default; needs the right to reboot (root, or a "
+        "polkit rule for org.freedesktop.login1.reboot)",
+    )
+    parser.add_argument(
+        "--reboot-command",
+        type=shlex.split,
+        default=list(DEFAULT_REBOOT_COMMAND),
+        help="how --host-reboot reboots this host (default: systemctl reboot)",
+    )
 
 
 async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
@@ -157,6 +173,8 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
             if args.dataplane_processes
             else None
         ),
+        host_reboot=args.host_reboot,
+        reboot_command=args.reboot_command,
     )
     try:
         await agent.start()

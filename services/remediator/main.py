@@ -5,15 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 from datetime import timedelta
 from pathlib import Path
 
 from libs.bus import Bus
 from libs.contracts import names
+from libs.contracts.base import now as utc_now
 from libs.runtime import add_common_flags, run_daemon
 from services.remediator.alerts import AlertSettings
 from services.remediator.guardrails import Settings
-from services.remediator.provider import LocalProvider
+from services.remediator.providers.config import load_config
+from services.remediator.providers.router import PoolProviders
 from services.remediator.service import Remediator
 
 BUCKETS = [
@@ -36,6 +39,14 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     )
     add_common_flags(parser, metrics_port=0)
     parser.add_argument("--replica", help="this replica's name in records (default: random)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="the remediator's YAML config: `providers:` maps each node pool ('*' for the "
+        "rest) to how repairs reach its machines (inband, redfish, exec; see README). "
+        "Without one every pool uses the local provider, which only rewrites lab files "
+        "(nodus up)",
+    )
     parser.add_argument(
         "--state-dir",
         type=Path,
@@ -103,6 +114,8 @@ def settings_of(args: argparse.Namespace) -> Settings:
 
 
 async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    config = load_config(args.config)  # a bad file stops the daemon before it connects (S3)
+    replica = args.replica or f"remediator-{secrets.token_hex(3)}"
     bus = await Bus.open(
         args.nats,
         name="nodus-remediator",
@@ -112,9 +125,9 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
     )
     remediator = Remediator(
         bus,
-        LocalProvider(bus, args.state_dir),
+        PoolProviders(bus, config, args.state_dir, replica, utc_now),
         settings_of(args),
-        replica=args.replica,
+        replica=replica,
         alert_settings=AlertSettings(flap_memory=timedelta(seconds=args.flap_memory_seconds)),
         tick_seconds=args.tick_seconds,
     )

@@ -27,9 +27,11 @@ from libs.contracts.fleet import NodeHealth
 from libs.contracts.remediation import Finding, SignalReport
 from libs.runtime import add_common_flags, run_daemon
 from libs.runtime.tasks import cancel_and_wait
+from libs.runtime.version import VERSION
 from services.remediator import faults, metrics
 from services.remediator.detectors.machine import MachineDetectors, MachinePaths
 from services.remediator.detectors.reachability import Reachability, heartbeat
+from services.remediator.ondemand import Diagnostics
 
 log = logging.getLogger("nodus.monitor")
 
@@ -263,6 +265,13 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
     )
     try:
         await monitor.start()
+        # Revalidation asks this machine's monitor to run its detectors now (R15, R18).
+        await bus.serve(
+            "nodus-monitor",
+            VERSION,
+            "Detectors of the machines this monitor reads, on demand",
+            list(Diagnostics(machines).endpoints()),
+        )
         await stop.wait()
     finally:
         await monitor.stop()

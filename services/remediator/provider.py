@@ -32,9 +32,9 @@ import msgspec
 
 from libs.bus import Bus
 from libs.contracts import names
-from libs.contracts.api import NodeInfoReply, NodeInfoRequest
 from libs.contracts.base import now as utc_now
 from libs.contracts.errors import NodusError
+from libs.contracts.providers import HealthCheckReply, HealthCheckRequest
 from libs.contracts.remediation import (
     Action,
     HostRecord,
@@ -48,10 +48,23 @@ from services.remediator.detectors.machine import MachinePaths, diagnose
 log = logging.getLogger("nodus.remediator.provider")
 
 
+class ProviderError(Exception):
+    """An action the provider could not carry out, with its reason as the operator reads it.
+    `permanent`: retrying cannot help (a BMC that refuses, an operator's command that failed,
+    an action the pool's provider does not do): the step fails at once. Otherwise (an agent
+    that does not answer yet) the repair tries again until its action timeout."""
+
+    def __init__(self, reason: str, permanent: bool = True) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.permanent = permanent
+
+
 class MachineProvider(Protocol):
-    async def execute(self, node: str, action: Action, op_id: str) -> None:
+    async def execute(self, node: str, action: Action, op_id: str) -> str | None:
         """Carry out `action` on `node` once per `op_id`; calling again with the same op id
-        after it completed does nothing."""
+        after it completed does nothing. Returns the provider's answer, for the record;
+        raises ProviderError (or anything else: retried) when it could not."""
 
     async def executed(self, node: str, op_id: str) -> bool:
         """Did `op_id` complete on `node`?"""
@@ -111,10 +124,10 @@ class LocalProvider:
         ]
         return len(used) < self.spare_hosts
 
-    async def execute(self, node: str, action: Action, op_id: str) -> None:
+    async def execute(self, node: str, action: Action, op_id: str) -> str | None:
         state = await self._state(node)
         if state.last_op_id == op_id:
-            return
+            return None
         directory = self.machine_dir(node)
         host_id = state.host_id
         retired = state.retired
@@ -148,6 +161,7 @@ class LocalProvider:
 
         await self.machines.mutate(node, done)
         log.info("%s on %s done (op %s, host %s)", action.value, node, op_id, host_id)
+        return None
 
     async def _boot(self, node: str, op_id: str, power_cycle: bool) -> None:
         await self.bus.request(
@@ -199,13 +213,15 @@ class LocalProvider:
         paths = MachinePaths.under(self.machine_dir(node))
         failures = await asyncio.to_thread(diagnose, node, paths, self.clock())
         found = [f"{f.kind.value} {f.subject}: {f.detail}" for f in failures]
-        try:
-            await self.bus.request(
-                names.node_request(node, "info"),
-                NodeInfoRequest(),
-                NodeInfoReply,
+        try:  # the agent's own checks, on the machine (the lab's agent shares this host)
+            reply = await self.bus.request(
+                names.node_request(node, "health"),
+                HealthCheckRequest(),
+                HealthCheckReply,
                 timeout=self.agent_timeout,
             )
         except NodusError as error:
             found.append(f"agent: {node}'s agent does not answer after the repair: {error}")
+        else:
+            found += [f for f in reply.failures if f not in found]
         return found

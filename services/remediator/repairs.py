@@ -25,7 +25,7 @@ from services.remediator import alerts as alert_rules
 from services.remediator import guardrails, ladder, lifecycle, metrics, policy
 from services.remediator.breakers import Breakers
 from services.remediator.cordons import Cordons
-from services.remediator.provider import MachineProvider
+from services.remediator.provider import MachineProvider, ProviderError
 from services.remediator.slots import Slots
 from services.remediator.store import Store
 
@@ -135,7 +135,7 @@ class Repairs:
             self.replica,
             f"{rem.action.value} starts: {idle.reason}",
             started_time=now,
-            op_id=f"{rem.id}.op",
+            op_id=f"{rem.id}.op",  # providers.router.op_remediation reads it back
             executor=self.replica,
             claim_time=now,
             boot_id_before=health.value.boot_id if health else "",
@@ -247,9 +247,22 @@ class Repairs:
         current, rem = claimed, claimed.value
         executed = await self.provider.executed(rem.node, rem.op_id)
         decision, why = lifecycle.issue_decision(rem, boot_id, executed)
+        answer: str | None = None
         if decision == "issue":
             try:
-                await self.provider.execute(rem.node, rem.action, rem.op_id)
+                answer = await self.provider.execute(rem.node, rem.action, rem.op_id)
+            except ProviderError as error:  # the provider's reason, as the operator reads it
+                if error.permanent or lifecycle.timed_out(rem, now, self.settings.action_timeout):
+                    await self._finish(
+                        current,
+                        Outcome.FAILED,
+                        now,
+                        f"{rem.action.value} could not be carried out: {error.reason}",
+                        provider_answer=error.reason,
+                    )
+                else:
+                    await self._wait(current, "provider", f"{rem.action.value}: {error.reason}")
+                return
             except Exception as error:  # retried on the next tick, up to the timeout
                 if lifecycle.timed_out(rem, now, self.settings.action_timeout):
                     await self._finish(
@@ -267,7 +280,11 @@ class Repairs:
         await self.store.write(
             current,
             msgspec.structs.replace(
-                rem, issued_time=self.clock(), issue_skipped=why, reason=reason
+                rem,
+                issued_time=self.clock(),
+                issue_skipped=why,
+                reason=reason,
+                provider_answer=answer or rem.provider_answer,
             ),
         )
 

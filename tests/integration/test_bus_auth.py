@@ -216,3 +216,31 @@ async def test_the_cli_beside_nodus_up_finds_the_operators_key(
     shutil.copy(nats_server.credentials, LOCAL_OPERATOR)
     client = await Client.connect(nats_server.url)
     await client.close()
+
+
+async def test_an_agent_answers_health_and_host_reboot_for_its_own_node_only(
+    nats_server: NatsServer, bus: Bus, agent_a: Confined
+) -> None:
+    """R18 under S1: node-a's agent, on its own key, answers the remediator's health check and
+    in-band reboot for node-a; it cannot take node-b's (a forged "healthy" for another machine)."""
+    from libs.contracts.providers import HealthCheckReply, HealthCheckRequest
+    from services.agent.agent import Agent
+    from tests.factories import machine
+
+    for verb in ("health", "host-reboot"):
+        await agent_a.nc.subscribe(f"nodus.node.node-b.req.{verb}")
+        assert await agent_a.refused(f'subscription to "nodus.node.node-b.req.{verb}"')
+    seed = nats_server.user("agent-node-a", AGENT, "node-a")
+    confined = await Bus.open(
+        nats_server.url, credentials=seed, buckets=AGENT_BUCKETS, inbox_prefix=agent_inbox("node-a")
+    )
+    agent = Agent(confined, machine("node-a"), heartbeat_seconds=5)
+    try:
+        await agent.start()
+        reply = await bus.request(
+            names.node_request("node-a", "health"), HealthCheckRequest(), HealthCheckReply
+        )
+        assert reply.healthy and reply.node == "node-a" and reply.boot_id == agent.boot_id
+    finally:
+        await agent.stop()
+        await confined.close()
