@@ -21,7 +21,7 @@ from libs.contracts.base import now
 from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS, HEARTBEATS_PER_TIMEOUT
 from libs.contracts.epochs import Epoch, EpochMember, JoinKeyGrant, JoinRedemption
 from libs.contracts.errors import ErrorCode, NodusError
-from libs.contracts.fleet import Machine, NodeHealth, NodeRecord
+from libs.contracts.fleet import Machine, NodeHealth, NodeRecord, WireGuardInfo
 from libs.contracts.jobs import PathClass
 from libs.contracts.lifecycle import JoinedEpoch, JoinedEpochsReply, JoinedEpochsRequest
 from libs.contracts.relay import Member
@@ -35,6 +35,7 @@ from services.agent.gangwork import GangWork
 from services.agent.inventory import Described, capabilities_of, inventory_of
 from services.agent.member import RelayedMember
 from services.agent.private import PortRules, PrivateMember, ephemeral_range
+from services.agent.wireguard import for_agent
 
 log = logging.getLogger("nodus.agent")
 
@@ -76,6 +77,7 @@ class Agent:
         # machine, or a machine of the lab); agents that share one namespace cannot.
         self.nodus0 = nodus0 and self.inventory.offering == "vm"
         self.port_rules = port_rules  # on a private network: its rules are this agent's (G22)
+        self.wireguard: WireGuardInfo | None = None  # what nodus0 runs (O5), chosen at start
         self.boot_id = str(uuid.uuid4())  # a simulated machine boots when its agent starts
         self.socks_endpoint = socks_endpoint or "127.0.0.1:1080"
         self.tunnel_buffer_limit_bytes = tunnel_buffer_limit_bytes
@@ -127,6 +129,7 @@ class Agent:
             boot_id=self.boot_id,
             socks_endpoint=self.socks_endpoint,
             tunnel_buffer_limit_bytes=self.tunnel_buffer_limit_bytes,
+            wireguard=self.wireguard,
         )
 
     async def start(self) -> None:
@@ -149,6 +152,8 @@ class Agent:
             ],
         )
         await self.gangs.runner.stop_previous_boot()
+        if self.nodus0:
+            self.wireguard = await for_agent(self.node)
         await self.nodes.put(self.node, self.record())
         await self._beat()
         self._tasks = [
