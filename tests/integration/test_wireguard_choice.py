@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,7 +103,7 @@ def namespace() -> Iterator[str]:
         subprocess.run(["ip", "netns", "del", name], check=False)
 
 
-def _run(namespace: str, script: str, **env: str) -> tuple[dict[str, object], str]:
+def _run(namespace: str, script: str, **env: str) -> tuple[dict[str, Any], str]:
     # A mount namespace with its own /var/run/wireguard, as a lab machine has (app/netlab).
     private = 'mkdir -p /var/run/wireguard && mount -t tmpfs nwgc /var/run/wireguard && exec "$@"'
     done = subprocess.run(
@@ -159,7 +160,7 @@ def test_forced_kernel_without_the_module_fails_with_the_kernels_reason(namespac
 
 def test_forced_userspace_and_a_missing_binary(namespace: str) -> None:
     result, _ = _run(namespace, CHOOSE, NODUS_WIREGUARD="userspace")
-    assert result["info"]["implementation"] == "wireguard-go"  # type: ignore[index]
+    assert result["info"]["implementation"] == "wireguard-go"
     missing, _ = _run(
         namespace, CHOOSE, NODUS_WIREGUARD="userspace", NODUS_WIREGUARD_GO="/nonexistent/wg-go"
     )
@@ -194,7 +195,7 @@ def test_a_build_without_offloads_is_announced_and_warned_about(
         "binary": str(binary),
     }
     assert "has no TUN/UDP offloads" in stderr
-    assert 'offloads="false"' in result["metric"][0]  # type: ignore[index]
+    assert 'offloads="false"' in result["metric"][0]
 
 
 def test_nodus0_configured_and_read_through_wg(namespace: str) -> None:
