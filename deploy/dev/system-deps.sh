@@ -112,6 +112,16 @@ wireguard_go_current && exit 0
 candidate=$(apt-cache policy wireguard-go | awk '/Candidate:/ {print $2}')
 target=wireguard-go
 if ! dpkg --compare-versions "${candidate:-0}" ge "$WIREGUARD_GO_MIN"; then
+  distribution=$(. /etc/os-release && echo "${ID:-}")
+  if [ "$distribution" != debian ]; then
+    # No backports suite known to carry it (Ubuntu's kernels have the WireGuard module,
+    # which the agent prefers): the default build, and the agent's warning about it.
+    echo "system-deps: wireguard-go ${candidate:-?} on ${distribution:-?} predates the" \
+      "offloads; Direct runs slowly unless the kernel has WireGuard" >&2
+    dpkg -s wireguard-go >/dev/null 2>&1 ||
+      $SUDO apt-get install -y -qq --no-install-recommends wireguard-go >/dev/null
+    exit 0
+  fi
   codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
   if [ -z "$codename" ] || ! source=$(debian_source "$codename"); then
     echo "system-deps: wireguard-go ${candidate:-?} predates the offloads and no Debian" \
