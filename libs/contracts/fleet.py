@@ -86,6 +86,17 @@ class Inventory(Record):
     network_namespace: str = ""
 
 
+class WireGuardInfo(Record):
+    """Which WireGuard a VM's `nodus0` runs (O5)."""
+
+    implementation: Literal["kernel", "wireguard-go"]
+    # The module's version, or the wireguard-go package's (dpkg; its --version may lag).
+    version: str
+    # TUN TSO/GRO and UDP GSO/GRO: the kernel has them; wireguard-go since 0.0.20230223.
+    offloads: bool
+    binary: str = ""  # wireguard-go's path
+
+
 class NodeRecord(Record):
     """One node in the cluster view: inventory, version and capabilities (C6)."""
 
@@ -99,6 +110,8 @@ class NodeRecord(Record):
     # The most memory the agent gives one member's tunnel buffers; plans needing more are
     # refused (C3).
     tunnel_buffer_limit_bytes: int = 64 << 20
+    # The WireGuard its nodus0 runs; None: this agent makes no nodus0 (a container, no netns).
+    wireguard: WireGuardInfo | None = None
 
 
 class NodeHealth(Record):

@@ -34,7 +34,7 @@ from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS, HEARTBEATS_PER_TIME
 from libs.contracts.dataplane import DataplaneSpec, EpochState
 from libs.contracts.epochs import Epoch, EpochMember, JoinKeyGrant, JoinRedemption
 from libs.contracts.errors import ErrorCode, NodusError
-from libs.contracts.fleet import Machine, NodeHealth, NodeRecord
+from libs.contracts.fleet import Machine, NodeHealth, NodeRecord, WireGuardInfo
 from libs.contracts.jobs import PathClass
 from libs.contracts.lifecycle import JoinedEpoch, JoinedEpochsReply, JoinedEpochsRequest
 from libs.contracts.providers import HealthCheckRequest, HostRebootRequest
@@ -59,6 +59,7 @@ from services.agent.hostpower import DEFAULT_COMMAND as DEFAULT_REBOOT_COMMAND
 from services.agent.hostpower import HostPower, drain_ranks
 from services.agent.inventory import Described, capabilities_of, inventory_of
 from services.agent.private import PortRules, PrivateMember, ephemeral_range
+from services.agent.wireguard import for_agent
 
 if TYPE_CHECKING:  # not imported at run time: their metrics are the dataplane processes'
     from services.agent.direct import DirectMember
@@ -139,6 +140,7 @@ class Agent:
         # machine, or a machine of the lab); agents that share one namespace cannot.
         self.nodus0 = nodus0 and self.inventory.offering == "vm"
         self.port_rules = port_rules  # on a private network: its rules are this agent's (G22)
+        self.wireguard: WireGuardInfo | None = None  # what nodus0 runs (O5), chosen at start
         # The kernel's boot on a real machine; a lab machine's own, kept in its state directory
         # (O4): an agent started again on the same boot re-adopts what it left running.
         self.boot = machine_boot(isinstance(machine, Machine), state_dir)
@@ -243,6 +245,7 @@ class Agent:
             boot_id=self.boot_id,
             socks_endpoint=self.socks_endpoint,
             tunnel_buffer_limit_bytes=self.tunnel_buffer_limit_bytes,
+            wireguard=self.wireguard,
         )
 
     async def start(self) -> None:
@@ -281,6 +284,8 @@ class Agent:
         await self._read_back()
         if self.launch is not None:
             REGISTRY.register(self._metrics)
+        if self.nodus0:
+            self.wireguard = await for_agent(self.node)
         await self.nodes.put(self.node, self.record())
         await self._beat()
         await self._reconcile_all()  # before the first heartbeat interval: fenced ones stop

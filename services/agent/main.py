@@ -21,6 +21,7 @@ from services.agent.dataplane.supervisor import Launch, log_dir_beside_stderr
 from services.agent.discover import MACHINE_FILE, discover, load_facts
 from services.agent.hostpower import DEFAULT_COMMAND as DEFAULT_REBOOT_COMMAND
 from services.agent.inventory import Described
+from services.agent.wireguard import BINARY_ENV, MODE_ENV, MODES
 
 
 def _machine(args: argparse.Namespace) -> Machine | Described:
@@ -104,6 +105,20 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         "network namespace of this machine's own; `nodus up` without --netns turns it off)",
     )
     parser.add_argument(
+        "--wireguard",
+        choices=MODES,
+        default=os.environ.get(MODE_ENV, "auto"),
+        help="which WireGuard runs nodus0: `auto` (the kernel's where it creates a WireGuard "
+        "device, else wireguard-go), `kernel` (fail without the module) or `userspace` "
+        f"(wireguard-go); default ${MODE_ENV} or auto",
+    )
+    parser.add_argument(
+        "--wireguard-go",
+        default=os.environ.get(BINARY_ENV),
+        metavar="PATH",
+        help=f"the wireguard-go to run (default ${BINARY_ENV}, else the one on PATH)",
+    )
+    parser.add_argument(
         "--port-rules",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -140,6 +155,10 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 
 async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    # Through the environment: every nodus0 this agent's processes make chooses the same way.
+    os.environ[MODE_ENV] = args.wireguard
+    if args.wireguard_go:
+        os.environ[BINARY_ENV] = args.wireguard_go
     machine = _machine(args)
     if args.state_dir:
         args.state_dir.mkdir(parents=True, exist_ok=True)

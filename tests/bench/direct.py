@@ -4,14 +4,21 @@ fallback to the relays, with real processes in network namespaces (app/netlab; r
     .venv/bin/python -m tests.bench.direct            # about 2 minutes
     .venv/bin/python -m tests.bench.direct --quick    # about 1 minute (smoke)
 
+  wireguard  which WireGuard the members ran (as the agent chooses it: kernel or wireguard-go,
+             its version, offloads) and the wireguard-go the bare runs used. `--wireguard-go
+             PATH` runs another build (e.g. bookworm's 0.0.20220316, from `apt-get download
+             wireguard-go=0.0.20220316-1+b4` and `dpkg-deb -x`) in both.
   goodput    two VMs of different providers (a LAN each, routed through the lab's
-             "internet"), Direct members as the agent runs them (tests/integration/direct_lab.py).
-             iperf3 B -> A over `nodus0` (the mesh addresses) against plain TCP between the same
-             namespaces' eth0 addresses (the ceiling), in interleaved rounds; CPU seconds per
-             Gbit of both wireguard-go processes over the nodus0 runs, and of both agents (the
-             agents are not on the data path: near 0). And wireguard-go set up by hand with
-             `wg` between two bare namespaces on one veth: the implementation's own figure on
-             this machine, to read nodus0's by.
+             "internet", one behind its provider's NAT), Direct members as the agent runs them
+             (tests/integration/direct_lab.py). iperf3 B -> A over `nodus0` (the mesh
+             addresses), against plain TCP between the same namespaces' eth0 addresses (the
+             ceiling) and the same wireguard-go binary set up by hand with `wg`: `bare_veth`
+             between two bare namespaces on one veth (the implementation's own figure on this
+             machine) and `bare_lab` between the same two VMs, through the lab's routers and
+             NAT (the lab's hops without the agent). All four run in interleaved rounds, each
+             path in each position; the machine is shared, so `nodus0_over_*` is the median of
+             the rounds' own ratios. CPU seconds per Gbit of the wireguard-go processes of each
+             WireGuard path, and of both agents (not on the data path: near 0).
   ice        for 2, 4 and 8 members (half of them behind their providers' NATs): seconds from
              the members' start until every pair's first round of checks ended, and how many
              pairs went direct.
@@ -27,9 +34,11 @@ Exit status 1 means the run did not complete, not that it was slow.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,8 +47,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from app.demo import lab_unavailable
 from app.netlab import NetLab
+from services.agent import wireguard
 from tests.bench.running import add_run_flags, bench_main, bench_parser, machine_facts, progress
 from tests.bench.sampling import process_cpu
 from tests.integration.direct_lab import Members, direct_members
@@ -84,11 +96,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--members", type=int, nargs="+", default=[2, 4, 8], help="gang sizes for ICE"
     )
-    add_run_flags(parser, 600.0, "2 s runs, 1 round, ICE for 2 and 4 members")
+    parser.add_argument(
+        "--wireguard-go",
+        metavar="PATH",
+        help="the wireguard-go nodus0 and the bare runs use (default: the agent's choice, "
+        "the one on PATH); e.g. bookworm's old build extracted from its .deb",
+    )
+    add_run_flags(parser, 600.0, "2 s runs, 2 rounds, ICE for 2 and 4 members")
     args = parser.parse_args(argv)
     if args.quick:
-        args.seconds, args.rounds, args.members = 2.0, 1, [2, 4]
+        args.seconds, args.rounds, args.members = 2.0, 2, [2, 4]
     return args
+
+
+def wireguard_ran(args: argparse.Namespace) -> dict[str, Any]:
+    """Which WireGuard the members run (as the agent chooses it, with the bench's binary) and
+    the binary the bare runs use. Sets the environment the members inherit."""
+    if args.wireguard_go:
+        os.environ[wireguard.BINARY_ENV] = str(Path(args.wireguard_go).resolve())
+    info = asyncio.run(wireguard.choose(wireguard.mode_from_env()))
+    # The bare runs are wireguard-go's: the same binary nodus0 runs, or the one it would.
+    args.wireguard_go = info.binary or wireguard.wireguard_go_binary()
+    if args.wireguard_go is None:
+        raise RuntimeError("no wireguard-go for the bare runs (deploy/dev/system-deps.sh)")
+    version = asyncio.run(wireguard.wireguard_go_version(args.wireguard_go))
+    return {
+        **msgspec.to_builtins(info),
+        "bare": {
+            "binary": args.wireguard_go,
+            "version": version,
+            "offloads": wireguard.has_offloads(version),
+        },
+    }
 
 
 def _machines(count: int) -> list[tuple[str, str, bool, str, str]]:
@@ -149,141 +188,207 @@ def _iperf3(lab: NetLab, client: str, server: str, target: str, seconds: float) 
         listening.wait()
 
 
-def goodput(args: argparse.Namespace, lab: NetLab, members: Members) -> dict[str, Any]:
-    (a, _, _, a_address, a_mesh), (b, *_) = _machines(2)
-    wireguard = _wireguard_pids(lab, a) + _wireguard_pids(lab, b)
-    agents = [members.processes[a].pid, members.processes[b].pid]
-    runs: dict[str, list[float]] = {"eth0": [], "nodus0": []}
-    cpu = {"wireguard_go": 0.0, "agents": 0.0}
-    gbit = 0.0
-    for round_ in range(args.rounds):
-        for path in ("eth0", "nodus0") if round_ % 2 == 0 else ("nodus0", "eth0"):
-            target = a_address if path == "eth0" else a_mesh
-            before = (_cpu(wireguard), _cpu(agents))
-            rate = _iperf3(lab, b, a, target, args.seconds)
-            if path == "nodus0":
-                cpu["wireguard_go"] += _cpu(wireguard) - before[0]
-                cpu["agents"] += _cpu(agents) - before[1]
-                gbit += rate * args.seconds
-            runs[path].append(round(rate, 3))
-            say(f"goodput {path}: {rate:.2f} Gbit/s")
-    best = {path: max(rates) for path, rates in runs.items()}
-    return {
-        "gbit_s": runs,
-        "best_gbit_s": best,
-        "nodus0_over_eth0": round(best["nodus0"] / best["eth0"], 3) if best["eth0"] else None,
-        "cpu_s_per_gbit": {k: round(v / gbit, 3) if gbit else None for k, v in cpu.items()},
-        "wireguard_processes": len(wireguard),
-    }
+class BareWireGuard:
+    """wireguard-go configured by hand (`wg`), the same binary nodus0 runs, between two
+    namespaces: `veth` (two bare namespaces on one veth and nothing else: what the
+    implementation itself does on this machine) or `lab` (the lab's two VMs, through the same
+    routers and NAT as nodus0, on a port of its own: the lab's hops without the agent)."""
 
+    def __init__(self, binary: str, state: Path, lab: NetLab | None = None) -> None:
+        self.binary = binary
+        self.state = state
+        self.lab = lab
+        self.prefix = f"nbw{os.getpid() % 10000}{'l' if lab else 'v'}"
+        self.namespaces: list[str] = []
+        self.owned: list[str] = []  # namespaces this made (veth), deleted at the end
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.devices = [f"{self.prefix}w0", f"{self.prefix}w1"]
 
-def bare_wireguard_go(seconds: float, state: Path) -> dict[str, Any]:
-    """wireguard-go configured by hand (`wg`), between two namespaces on one veth and nothing
-    else: what the implementation itself does on this machine, to read nodus0's figure by."""
-    prefix = f"nbw{os.getpid() % 10000}"
-    a, b = f"{prefix}-a", f"{prefix}-b"
-    keys = {}
-    for side in ("a", "b"):
-        private = subprocess.run(["wg", "genkey"], capture_output=True, text=True, check=True)
-        public = subprocess.run(
-            ["wg", "pubkey"], input=private.stdout, capture_output=True, text=True, check=True
+    def __enter__(self) -> BareWireGuard:
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _underlay(self) -> tuple[list[str], list[str]]:
+        """(namespaces, underlay addresses): the client side first, the server side second."""
+        if self.lab is not None:
+            (a, _, _, a_address, _), (b, _, _, b_address, _) = _machines(2)
+            namespaces = [self.lab.topology.machines[b], self.lab.topology.machines[a]]
+            return namespaces, [b_address, a_address]
+        namespaces = [f"{self.prefix}-0", f"{self.prefix}-1"]
+        links = [f"{self.prefix}0", f"{self.prefix}1"]
+        addresses = ["198.18.250.1", "198.18.250.2"]
+        subprocess.run(["ip", "netns", "add", namespaces[0]], check=True)
+        self.owned.append(namespaces[0])
+        subprocess.run(["ip", "netns", "add", namespaces[1]], check=True)
+        self.owned.append(namespaces[1])
+        subprocess.run(
+            ["ip", "link", "add", links[0], "type", "veth", "peer", "name", links[1]], check=True
         )
-        (state / f"bare-{side}.key").write_text(private.stdout)
-        keys[side] = public.stdout.strip()
-    steps = [
-        ["ip", "netns", "add", a],
-        ["ip", "netns", "add", b],
-        ["ip", "link", "add", f"{prefix}a", "type", "veth", "peer", "name", f"{prefix}b"],
-        ["ip", "link", "set", f"{prefix}a", "netns", a],
-        ["ip", "link", "set", f"{prefix}b", "netns", b],
-    ]
-    devices = {"a": f"{prefix}wa", "b": f"{prefix}wb"}
-    for side, namespace, underlay in (("a", a, "198.18.250.1"), ("b", b, "198.18.250.2")):
-        steps += [
-            ["ip", "-n", namespace, "addr", "add", f"{underlay}/24", "dev", f"{prefix}{side}"],
-            ["ip", "-n", namespace, "link", "set", f"{prefix}{side}", "up"],
-            ["ip", "-n", namespace, "link", "set", "lo", "up"],
-        ]
-    try:
-        for step in steps:
-            subprocess.run(step, check=True)
-        for side, namespace in (("a", a), ("b", b)):
-            subprocess.run(
-                ["ip", "netns", "exec", namespace, "wireguard-go", devices[side]],
-                env={**os.environ, "WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD": "1"},
-                check=True,
-                capture_output=True,
+        for namespace, link, address in zip(namespaces, links, addresses, strict=True):
+            subprocess.run(["ip", "link", "set", link, "netns", namespace], check=True)
+            for step in (
+                ["addr", "add", f"{address}/24", "dev", link],
+                ["link", "set", link, "up"],
+                ["link", "set", "lo", "up"],
+            ):
+                subprocess.run(["ip", "-n", namespace, *step], check=True)
+        return namespaces, addresses
+
+    def _start(self) -> None:
+        self.namespaces, underlay = self._underlay()
+        meshes = ["100.64.250.1", "100.64.250.2"]
+        keys = []
+        for side in range(2):
+            private = subprocess.run(["wg", "genkey"], capture_output=True, text=True, check=True)
+            public = subprocess.run(
+                ["wg", "pubkey"], input=private.stdout, capture_output=True, text=True, check=True
             )
-        for side, namespace, peer, peer_underlay, mesh, peer_mesh in (
-            ("a", a, "b", "198.18.250.2", "100.64.250.1", "100.64.250.2"),
-            ("b", b, "a", "198.18.250.1", "100.64.250.2", "100.64.250.1"),
-        ):
-            device = devices[side]
-            exec_ = ["ip", "netns", "exec", namespace]
+            (self.state / f"{self.prefix}-{side}.key").write_text(private.stdout)
+            keys.append(public.stdout.strip())
+        env = {**os.environ, "WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD": "1"}
+        for namespace, device in zip(self.namespaces, self.devices, strict=True):
+            argv = ["ip", "netns", "exec", namespace, self.binary, "-f", device]
+            self.processes.append(
+                subprocess.Popen(
+                    argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
+        for socket in self.devices:
+            deadline = time.monotonic() + 5
+            while not Path(f"/var/run/wireguard/{socket}.sock").exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"bare wireguard-go {socket} did not start")
+                time.sleep(0.02)
+        for side in range(2):
+            namespace, device, peer = self.namespaces[side], self.devices[side], 1 - side
+            # The client side dials (the server side may be behind nothing but the client
+            # behind a NAT, as in the lab); the server side learns the endpoint.
+            dial = ["endpoint", f"{underlay[peer]}:51830"] if side == 0 else []
             subprocess.run(
                 [
-                    *exec_,
-                    "wg",
-                    "set",
-                    device,
-                    "private-key",
-                    str(state / f"bare-{side}.key"),
-                    "listen-port",
-                    "51820",
-                    "peer",
-                    keys[peer],
-                    "allowed-ips",
-                    f"{peer_mesh}/32",
-                    "endpoint",
-                    f"{peer_underlay}:51820",
+                    *("ip", "netns", "exec", namespace, "wg", "set", device),
+                    *("private-key", str(self.state / f"{self.prefix}-{side}.key")),
+                    *("listen-port", "51830", "peer", keys[peer]),
+                    *("allowed-ips", f"{meshes[peer]}/32", *dial),
                 ],
                 check=True,
             )
             subprocess.run(
-                ["ip", "-n", namespace, "addr", "add", f"{mesh}/24", "dev", device], check=True
+                ["ip", "-n", namespace, "addr", "add", f"{meshes[side]}/24", "dev", device],
+                check=True,
             )
             subprocess.run(
                 ["ip", "-n", namespace, "link", "set", device, "mtu", "1420", "up"], check=True
             )
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]  # `ip netns exec` execs it
+
+    def iperf3(self, seconds: float) -> float:
         server = subprocess.Popen(
-            ["ip", "netns", "exec", b, "iperf3", "-s", "-1", "-B", "100.64.250.2"],
+            ["ip", "netns", "exec", self.namespaces[1], "iperf3", "-s", "-1", "-B", "100.64.250.2"],
             stdout=subprocess.DEVNULL,
         )
         try:
             time.sleep(0.4)
+            client = ["ip", "netns", "exec", self.namespaces[0], "iperf3", "-c", "100.64.250.2"]
             done = subprocess.run(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    a,
-                    "iperf3",
-                    "-c",
-                    "100.64.250.2",
-                    "-t",
-                    str(seconds),
-                    "--json",
-                ],
+                [*client, "-t", str(seconds), "--json"],
                 capture_output=True,
                 text=True,
                 timeout=seconds + 30,
             )
+            if done.returncode != 0:
+                raise RuntimeError(f"iperf3 over bare wireguard-go: {done.stdout[-500:]}")
         finally:
             server.kill()
             server.wait()
-        rate = float(json.loads(done.stdout)["end"]["sum_received"]["bits_per_second"]) / 1e9
-        say(f"bare wireguard-go on one veth: {rate:.2f} Gbit/s")
-        return {"gbit_s": round(rate, 3)}
-    finally:
-        for namespace in (a, b):  # wireguard-go and its device go with the namespace's end
-            pids = subprocess.run(
-                ["ip", "netns", "pids", namespace], capture_output=True, text=True
-            )
-            for pid in pids.stdout.split():
-                subprocess.run(["kill", "-9", pid], check=False)
+        return float(json.loads(done.stdout)["end"]["sum_received"]["bits_per_second"]) / 1e9
+
+    def __exit__(self, *_: object) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for namespace, device in zip(self.namespaces, self.devices, strict=False):
+            if namespace not in self.owned:  # the lab's machine stays; the device goes
+                subprocess.run(
+                    ["ip", "-n", namespace, "link", "delete", device],
+                    check=False,
+                    stderr=subprocess.DEVNULL,  # gone with its wireguard-go
+                )
+        for namespace in self.owned:
             subprocess.run(["ip", "netns", "del", namespace], check=False)
-        for device in devices.values():
+        for device in self.devices:
             Path(f"/var/run/wireguard/{device}.sock").unlink(missing_ok=True)
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def goodput(args: argparse.Namespace, lab: NetLab, members: Members, state: Path) -> dict[str, Any]:
+    """iperf3 over eth0, nodus0 and the same wireguard-go set up by hand (one veth, and the
+    lab's path), in interleaved rounds: the machine is shared, so each round's ratio is read
+    against figures taken moments apart, and the median over rounds is the figure."""
+    (a, _, _, a_address, a_mesh), (b, *_) = _machines(2)
+    wireguard = _wireguard_pids(lab, a) + _wireguard_pids(lab, b)
+    agents = [members.processes[a].pid, members.processes[b].pid]
+    paths = ("eth0", "nodus0", "bare_veth", "bare_lab")
+    runs: dict[str, list[float]] = {path: [] for path in paths}
+    cpu = {path: 0.0 for path in ("nodus0", "bare_veth", "bare_lab", "agents")}
+    gbit = {path: 0.0 for path in ("nodus0", "bare_veth", "bare_lab")}
+    with (
+        BareWireGuard(args.wireguard_go, state) as veth,
+        BareWireGuard(args.wireguard_go, state, lab) as on_lab,
+    ):
+        bare = {"bare_veth": veth, "bare_lab": on_lab}
+        for round_ in range(args.rounds):
+            shift = round_ % len(paths)  # each path in each position, round after round
+            for path in paths[shift:] + paths[:shift]:
+                if path in bare:
+                    pids = bare[path].pids
+                    before = _cpu(pids)
+                    rate = bare[path].iperf3(args.seconds)
+                    cpu[path] += _cpu(pids) - before
+                else:
+                    target = a_address if path == "eth0" else a_mesh
+                    before, before_agents = _cpu(wireguard), _cpu(agents)
+                    rate = _iperf3(lab, b, a, target, args.seconds)
+                    if path == "nodus0":
+                        cpu["nodus0"] += _cpu(wireguard) - before
+                        cpu["agents"] += _cpu(agents) - before_agents
+                if path in gbit:
+                    gbit[path] += rate * args.seconds
+                runs[path].append(round(rate, 3))
+                say(f"goodput {path}: {rate:.2f} Gbit/s")
+    ratios = {
+        f"nodus0_over_{other}": [
+            round(n / o, 3) for n, o in zip(runs["nodus0"], runs[other], strict=True) if o
+        ]
+        for other in ("eth0", "bare_veth", "bare_lab")
+    }
+    per_gbit = {path: round(cpu[path] / gbit[path], 3) if gbit[path] else None for path in gbit}
+    return {
+        "gbit_s": runs,
+        "best_gbit_s": {path: max(rates) for path, rates in runs.items()},
+        "median_gbit_s": {path: _median(rates) for path, rates in runs.items()},
+        "ratios_by_round": ratios,
+        # Each round's nodus0 over its neighbours, the median of the rounds.
+        **{name: _median(values) for name, values in ratios.items()},
+        "cpu_s_per_gbit": {
+            "wireguard_go": per_gbit["nodus0"],  # nodus0's two wireguard-go processes
+            "bare_veth_wireguard_go": per_gbit["bare_veth"],
+            "bare_lab_wireguard_go": per_gbit["bare_lab"],
+            "agents": round(cpu["agents"] / gbit["nodus0"], 3) if gbit["nodus0"] else None,
+        },
+        "wireguard_processes": len(wireguard),
+    }
 
 
 def _paths(members: Members, names: list[str]) -> list[str]:
@@ -377,20 +482,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {"error": f"the lab cannot run here: {reason}"}
     state = Path(tempfile.mkdtemp(prefix="nodus-bench-direct-"))
     result: dict[str, Any] = {
-        "params": {"seconds": args.seconds, "rounds": args.rounds, "members": args.members},
+        "params": {
+            "seconds": args.seconds,
+            "rounds": args.rounds,
+            "members": args.members,
+            "wireguard_go": args.wireguard_go,
+        },
         "machine": machine_facts(),
     }
     started = time.monotonic()
     try:
+        result["wireguard"] = wireguard_ran(args)
+        say(f"wireguard: {result['wireguard']}")
         machines = _machines(2)
         with _lab(machines, state / "lab.json") as lab:
             spec = [(name, address, mesh) for name, _, _, address, mesh in machines]
             (state / "pair").mkdir()
             with direct_members(lab, state / "pair", spec) as members:
-                result["goodput"] = goodput(args, lab, members)
+                result["goodput"] = goodput(args, lab, members, state)
                 result["fallback"] = fallback(lab, members)
                 say(f"fallback: {result['fallback']}")
-        result["goodput"]["bare_wireguard_go"] = bare_wireguard_go(args.seconds, state)
         result["ice"] = {str(n): ice(n, state) for n in args.members}
     except Exception as error:
         result["error"] = f"{type(error).__name__}: {error}"

@@ -1,5 +1,6 @@
 """The Direct bench still runs: a --quick run measures every figure it reports (goodput over
-nodus0 and its ceiling, the bare wireguard-go figure, ICE for 2 and 4 members, the fallback
+nodus0 and its ceiling, the bare wireguard-go figures (one veth, the lab's path), which
+WireGuard ran, ICE for 2 and 4 members, the fallback
 and its gaps), and every pair of its gangs went direct. Behaviour only; the bench reports
 speed, this test never judges it."""
 
@@ -19,7 +20,10 @@ def test_quick_bench_measures_every_figure() -> None:
     assert "error" not in result, result.get("error")
     goodput = result["goodput"]
     assert goodput["best_gbit_s"]["eth0"] > 0 and goodput["best_gbit_s"]["nodus0"] > 0
-    assert goodput["bare_wireguard_go"]["gbit_s"] > 0
+    assert goodput["median_gbit_s"]["bare_veth"] > 0 and goodput["median_gbit_s"]["bare_lab"] > 0
+    assert goodput["nodus0_over_bare_veth"] is not None
+    assert result["wireguard"]["implementation"] in ("kernel", "wireguard-go")
+    assert result["wireguard"]["version"]
     assert goodput["wireguard_processes"] == 2
     for members, figures in result["ice"].items():
         assert figures["direct_pairs"] == figures["pairs"], (members, figures)

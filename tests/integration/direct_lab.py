@@ -165,6 +165,12 @@ async def _wait_for_stun(server: NatsServer, relays: int = 1) -> None:
         await bus.close()
 
 
+def wireguard_env() -> dict[str, str]:
+    """The WireGuard choice of the run (NODUS_WIREGUARD, NODUS_WIREGUARD_GO), as an agent's
+    flags would pass it to its dataplane."""
+    return {k: v for k, v in os.environ.items() if k in ("NODUS_WIREGUARD", "NODUS_WIREGUARD_GO")}
+
+
 @dataclass
 class Members:
     url: str
@@ -249,7 +255,7 @@ def start_members(
                 stderr=open(logs / f"{name}.{epoch.gang}.{epoch.epoch}.log", "w"),
                 text=True,
                 cwd=REPO,
-                env=ENV,
+                env={**ENV, **wireguard_env()},
             )
         for name, process in members.processes.items():
             assert process.stdout is not None
