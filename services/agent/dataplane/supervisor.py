@@ -253,12 +253,14 @@ class DataplaneMetrics:
                 log.debug("metrics of %s: %s", socket, error)
                 continue
             for family in text_string_to_metric_families(reply.metrics):
-                merged.setdefault(
-                    family.name, Metric(family.name, family.documentation, family.type)
-                )
                 for sample in family.samples:
                     if sample.name.endswith("_created"):
                         continue  # per process; meaningless summed
+                    # Only families with series: one the dataplane merely imported may be the
+                    # agent's own (nodus_agent_wireguard_info), and a name twice is an error.
+                    merged.setdefault(
+                        family.name, Metric(family.name, family.documentation, family.type)
+                    )
                     labels = tuple(sorted(sample.labels.items()))
                     index = (family.name, sample.name, labels)
                     values[index] = values.get(index, 0.0) + sample.value
