@@ -23,7 +23,13 @@ async def apply(script: str, what: str) -> None:
             ErrorCode.ADDRESS_UNAVAILABLE,
             f"{what}: nft is not installed (deploy/dev/system-deps.sh installs nftables)",
         ) from None
-    _, stderr = await process.communicate(script.encode())
+    try:
+        _, stderr = await process.communicate(script.encode())
+    except (RuntimeError, ConnectionError) as error:  # nft ended before reading its script
+        await process.wait()
+        raise NodusError(
+            ErrorCode.ADDRESS_UNAVAILABLE, f"{what}: nft exited {process.returncode}: {error}"
+        ) from None
     if process.returncode != 0:
         raise NodusError(
             ErrorCode.ADDRESS_UNAVAILABLE,

@@ -120,7 +120,10 @@ class DataplaneProcess:
             stopping.cancel()
             server.close()
             await self._tasks.close()
-            await self.dataplane.stop()
+            try:
+                await self.dataplane.stop()
+            except (NodusError, OSError, RuntimeError) as error:  # the namespace went first
+                log.warning("%s: the dataplane did not stop cleanly: %s", state.key, error)
             self.socket.unlink(missing_ok=True)
 
     async def _fenced(self, key: str) -> None:
