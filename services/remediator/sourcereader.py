@@ -4,7 +4,8 @@ A read that blocks (a kernel log opened the wrong way, a dcgm-exporter that acce
 answers, an NFS mount that hangs a sysfs-like tree) holds only its own thread: the caller gets
 `Overrun` after `bound` seconds and goes on with the other sources. While that read is still
 running the source is not read again (two reads of one source would race on its detector's
-state); each later call reports `Overrun` at once until the stuck read returns.
+state); each later call reports `Overrun` at once until the stuck read returns, and the next
+call after that gets what the late read found (the freshest there is) instead of a new read.
 
 Threads are daemon threads: a read stuck for good never stops the process from exiting."""
 
@@ -51,6 +52,7 @@ class SourceReader(Generic[T]):
         self._thread: threading.Thread | None = None
         self._busy: asyncio.Future[Any] | None = None
         self._busy_since = 0.0
+        self._late = False  # _busy overran: its result is the next call's
 
     @property
     def busy(self) -> bool:
@@ -60,6 +62,10 @@ class SourceReader(Generic[T]):
         """`work()` on this source's thread; raises Overrun after `bound` seconds."""
         if self.busy:
             raise Overrun(time.monotonic() - self._busy_since)
+        if self._late and self._busy is not None:
+            late, self._late = self._busy, False
+            if not late.cancelled():
+                return late.result()  # type: ignore[no-any-return]
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
@@ -71,6 +77,7 @@ class SourceReader(Generic[T]):
         try:
             return await asyncio.wait_for(asyncio.shield(future), bound)
         except TimeoutError:
+            self._late = True
             raise Overrun(time.monotonic() - self._busy_since) from None
 
     def close(self) -> None:
