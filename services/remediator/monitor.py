@@ -34,6 +34,7 @@ from libs.contracts.remediation import Finding, SignalReport
 from libs.runtime import add_common_flags, run_daemon
 from libs.runtime.tasks import cancel_and_wait
 from services.remediator import faults, metrics
+from services.remediator.detectors.kmsgdevice import is_record_device
 from services.remediator.detectors.machine import (
     SOURCES,
     MachineDetectors,
@@ -112,8 +113,9 @@ class Monitor:
     async def start(self) -> None:
         await self.follow_health()
         self._tasks.append(asyncio.create_task(self._loop()))
-        for node in self.detectors:
-            self._tasks.append(asyncio.create_task(self._follow_kernel_log(node)))
+        for node, detectors in self.detectors.items():
+            if is_record_device(detectors.paths.kmsg):
+                self._tasks.append(asyncio.create_task(self._follow_kernel_log(node)))
         log.info("monitoring %d machines every %gs", len(self.detectors), self.interval)
 
     async def stop(self) -> None:
@@ -215,8 +217,8 @@ class Monitor:
         detectors = self.detectors[node]
         while True:
             fd = detectors.kmsg_fileno()
-            if fd is None:  # a file, or the device is not open yet (the first scan opens it)
-                await asyncio.sleep(self.interval)
+            if fd is None:  # not open yet: the first scan opens it (or failed to; it tries again)
+                await asyncio.sleep(KMSG_BATCH_SECONDS)
                 continue
             readable: asyncio.Future[None] = loop.create_future()
             loop.add_reader(fd, _wake, readable)

@@ -83,12 +83,23 @@ def normalise_pci(address: str) -> str:
     return address[:10] if len(address) == 12 and address[10] == "." else address
 
 
+def may_matter(text: str) -> bool:
+    """False when the line cannot be an event (it holds none of the words every event line
+    holds, as most kernel lines): skipped without the regular expressions."""
+    return (
+        "NVRM: Xid" in text
+        or "fallen off the bus" in text
+        or "pciehp" in text
+        or "AER: Uncorrected" in text
+    )
+
+
 def parse_line(line: str) -> KernelEvent | None:
     """One kernel log line: an event, None when it says nothing about GPUs or PCIe; raises
     Malformed when it starts an Xid report it cannot finish."""
     if len(line) > MAX_LINE:
         raise Malformed("line too long")
-    if line.startswith(" "):  # a /dev/kmsg continuation line (` SUBSYSTEM=pci`)
+    if line.startswith(" ") or not may_matter(line):  # ` SUBSYSTEM=pci`: a continuation
         return None
     seconds, message = _kernel_seconds(line.rstrip("\r\n"))
     if "NVRM: Xid" in message:

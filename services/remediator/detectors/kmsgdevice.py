@@ -29,7 +29,7 @@ from pathlib import Path
 import msgspec
 
 from services.remediator import metrics
-from services.remediator.detectors.kmsg import KernelLog, SeenEvent
+from services.remediator.detectors.kmsg import MAX_LINE, KernelLog, SeenEvent, may_matter
 from services.remediator.detectors.kmsgrecords import MAX_RECORD, KmsgStream
 
 log = logging.getLogger("nodus.monitor.kmsg")
@@ -165,7 +165,7 @@ class KmsgDevice:
                 self.caught_up = True
                 return
             record = stream.feed(data)
-            if record is not None:
+            if record is not None and (may_matter(record.message) or len(data) > MAX_LINE):
                 # When the kernel logged it, so a transient fault read late expires on time.
                 age = max(0.0, clock - record.usec / 1e6)
                 self.kernel_log.feed_line(record.line, now - timedelta(seconds=age))

@@ -18,10 +18,10 @@ monitor restarts by the caller) and counts what it drops (S3) and what the kerne
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 MAX_RECORD = 16384  # bytes of one read; the kernel formats a record into at most 8 KiB
-_MAX_DIGITS = 20  # a u64
 
 
 class MalformedRecord(ValueError):
@@ -52,10 +52,8 @@ class KmsgRecord:
         return f"{self.priority},{self.seq},{self.usec},{self.flags};{self.message}"
 
 
-def _number(text: str, what: str) -> int:
-    if not text or len(text) > _MAX_DIGITS or not text.isascii() or not text.isdigit():
-        raise MalformedRecord(f"{what} is not a number: {text[:32]!r}")
-    return int(text)
+# prio,seq,usec,flags[,more...]; : one match instead of splitting and checking each field.
+_HEADER = re.compile(r"(\d{1,20}),(\d{1,20}),(\d{1,20}),([^,;\n]{0,8})(?:,[^;\n]*)?;", re.ASCII)
 
 
 def parse_record(data: bytes) -> KmsgRecord:
@@ -65,30 +63,26 @@ def parse_record(data: bytes) -> KmsgRecord:
     if len(data) > MAX_RECORD:
         raise MalformedRecord(f"record of {len(data)} bytes")
     text = data.decode("utf-8", errors="replace")
-    first, _, rest = text.partition("\n")
-    header, semicolon, message = first.partition(";")
-    if not semicolon:
-        raise MalformedRecord("no ';' after the record's header")
-    parts = header.split(",")
-    if len(parts) < 4:
-        raise MalformedRecord(f"header has {len(parts)} fields, needs prio,seq,usec,flags")
-    priority = _number(parts[0], "priority")
+    header = _HEADER.match(text)
+    if header is None:
+        raise MalformedRecord(f"no prio,seq,usec,flags; header: {text[:48]!r}")
+    prio, seq, usec, flags = header.groups()
+    priority = int(prio)
     if priority > 0x7FF:  # 8 bits of facility, 3 of level
         raise MalformedRecord(f"priority {priority} out of range")
-    seq = _number(parts[1], "sequence number")
-    usec = _number(parts[2], "timestamp")
-    flags = parts[3]
-    if len(flags) > 8 or not flags.isprintable():
-        raise MalformedRecord(f"flags {flags[:16]!r}")
+    if not flags.isprintable():
+        raise MalformedRecord(f"flags {flags!r}")
+    message, newline, rest = text[header.end() :].partition("\n")
     fields: dict[str, str] = {}
-    for extra in rest.split("\n"):
-        if not extra:
-            continue
-        key, equals, value = extra[1:].partition("=")
-        if not extra.startswith(" ") or not equals or not key:
-            raise MalformedRecord(f"continuation line {extra[:64]!r} is not ' KEY=value'")
-        fields[key] = value
-    return KmsgRecord(priority, seq, usec, flags, message, fields)
+    if newline and rest:
+        for extra in rest.split("\n"):
+            if not extra:
+                continue
+            key, equals, value = extra[1:].partition("=")
+            if not extra.startswith(" ") or not equals or not key:
+                raise MalformedRecord(f"continuation line {extra[:64]!r} is not ' KEY=value'")
+            fields[key] = value
+    return KmsgRecord(priority, int(seq), int(usec), flags, message, fields)
 
 
 @dataclass(slots=True)
