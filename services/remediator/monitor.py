@@ -215,11 +215,15 @@ class Monitor:
         read it at once: an Xid is reported as the kernel logs it, not at the next scan."""
         loop = asyncio.get_running_loop()
         detectors = self.detectors[node]
+        closed_for = 0.0
         while True:
             fd = detectors.kmsg_fileno()
             if fd is None:  # not open yet: the first scan opens it (or failed to; it tries again)
-                await asyncio.sleep(KMSG_BATCH_SECONDS)
+                pause = KMSG_BATCH_SECONDS if closed_for < self.interval else self.interval
+                await asyncio.sleep(pause)
+                closed_for += pause
                 continue
+            closed_for = 0.0
             readable: asyncio.Future[None] = loop.create_future()
             loop.add_reader(fd, _wake, readable)
             try:
@@ -229,6 +233,9 @@ class Monitor:
             finally:
                 loop.remove_reader(fd)
             await asyncio.sleep(KMSG_BATCH_SECONDS)
+            if self._readers[(node, "kmsg")].busy:  # stuck: the periodic scan counts it
+                await asyncio.sleep(self.interval)
+                continue
             try:
                 await self._scan_source(node, "kmsg", self.clock())
             except asyncio.CancelledError:
