@@ -5,6 +5,7 @@ how many records per second its reader takes from the kernel, against baselines 
     .venv/bin/python -m tests.bench.kmsg --quick    # smoke
 
 1. read rate, over the same full kernel log buffer (filled first with filler records):
+   - before: the file reader (the monitor's only reader before) given /dev/kmsg, bounded;
    - baseline `raw`: a bare `os.read` loop on /dev/kmsg (open non-blocking, read to EAGAIN);
    - `reader`: the monitor's reader (KmsgDevice: parse, sequence check, Xid detector);
    - `file`: the lab's path, the same records' lines as a kernel log file (MachineDetectors);
@@ -27,6 +28,7 @@ import secrets
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -133,6 +135,36 @@ def _file(tmp: Path) -> tuple[int, float]:
     return len(lines), time.perf_counter() - started
 
 
+def old_path() -> dict[str, Any]:
+    """What the file reader (the only reader before) makes of /dev/kmsg: an Xid written first,
+    its scan run on a thread for at most 3 s."""
+    pci = random_pci()
+    write_record(xid_record(pci, 79))
+    detectors = MachineDetectors("bench", MachinePaths(KMSG, "/nonexistent", "", ""))
+    found: list[bool] = []
+    errors: list[str] = []
+
+    def scan() -> None:
+        try:
+            with open(KMSG, "rb") as file:  # what _scan_kmsg_file does, to see its error
+                file.seek(0)
+        except OSError as error:
+            errors.append(str(error))
+        findings = detectors._scan_kmsg_file(datetime.now(UTC))
+        found.append(any(f.subject == pci for f in findings))
+
+    thread = threading.Thread(target=scan, daemon=True)
+    started = time.perf_counter()
+    thread.start()
+    thread.join(3.0)
+    return {
+        "blocked": thread.is_alive(),
+        "seconds": round(time.perf_counter() - started, 3),
+        "xid_seen": bool(found and found[0]),
+        "error": errors[0] if errors else None,
+    }
+
+
 def read_rate(tmp: Path, rounds: int) -> dict[str, Any]:
     _fill(6_000)  # more than the buffer holds: it is full of records like these
     best: dict[str, tuple[int, float]] = {}
@@ -143,7 +175,8 @@ def read_rate(tmp: Path, rounds: int) -> dict[str, Any]:
             if name not in best or rate > best[name][0] / best[name][1]:
                 best[name] = (count, elapsed)
     best["file"] = _file(tmp)
-    result: dict[str, Any] = {
+    result: dict[str, Any] = {"old_file_reader_on_dev_kmsg": old_path()}
+    result |= {
         name: {
             "records": count,
             "seconds": round(elapsed, 6),

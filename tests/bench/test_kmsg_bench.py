@@ -19,6 +19,7 @@ async def test_quick_bench_measures_the_reader_and_the_daemon() -> None:
     for path in ("raw", "reader", "file"):
         assert rates[path]["records"] > 0 and rates[path]["records_per_s"] > 0
     assert set(rates["ratios"]) == {"reader_over_raw", "file_over_raw"}
+    assert set(rates["old_file_reader_on_dev_kmsg"]) == {"blocked", "seconds", "xid_seen", "error"}
     assert result["alert_latency"]["n"] == 10
     assert result["bus_hop"]["n"] == 20
     burst = result["burst"]
