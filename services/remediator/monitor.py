@@ -5,7 +5,12 @@ when what it sees changes, and at least every `keepalive` seconds.
 
 Under `nodus up` it runs for every local machine, reading `STATE_DIR/machines/NAME/`; on a real
 host it runs for the machine it sits on (`--node` with `--kmsg`, `--dcgm`, `--npd`,
-`--infiniband`)."""
+`--infiniband`).
+
+Each source of each machine is read on a thread of its own with a bound (`source_timeout`): a
+source that overruns is counted and skipped for that scan (its last report stands) while the
+others are reported as usual. The kernel's record device (`--kmsg /dev/kmsg`) is also watched
+between scans, so a new record is read, and its report written, as soon as the kernel logs it."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import argparse
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -29,11 +35,26 @@ from libs.runtime import add_common_flags, run_daemon
 from libs.runtime.tasks import cancel_and_wait
 from libs.runtime.version import VERSION
 from services.remediator import faults, metrics
-from services.remediator.detectors.machine import MachineDetectors, MachinePaths
+from services.remediator.detectors.kmsgdevice import is_record_device
+from services.remediator.detectors.machine import (
+    SOURCES,
+    MachineDetectors,
+    MachinePaths,
+    default_kmsg_cursor,
+)
 from services.remediator.detectors.reachability import Reachability, heartbeat
 from services.remediator.ondemand import Diagnostics
+from services.remediator.sourcereader import Overrun, SourceReader
 
 log = logging.getLogger("nodus.monitor")
+
+SOURCE_TIMEOUT_SECONDS = 5.0  # one source's read, before the scan goes on without it
+KMSG_BATCH_SECONDS = 0.02  # after a wake-up, let a burst of records gather before reading
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _signature(findings: list[Finding]) -> frozenset[tuple[str, str, int | None, str]]:
@@ -53,6 +74,7 @@ class Monitor:
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT_SECONDS,
         blackholes: dict[str, Path] | None = None,
         clock: Callable[[], datetime] = utc_now,
+        source_timeout: float = SOURCE_TIMEOUT_SECONDS,
     ) -> None:
         self.bus = bus
         self.interval = interval
@@ -62,7 +84,16 @@ class Monitor:
         self.heartbeat_timeout = timedelta(seconds=heartbeat_timeout)
         self.blackholes = blackholes or {}
         self.clock = clock
+        self.source_timeout = source_timeout
         self.detectors = {node: MachineDetectors(node, paths) for node, paths in machines.items()}
+        self._readers = {
+            (node, source): SourceReader[list[Finding]](f"monitor-{source}-{node}")
+            for node in machines
+            for source in SOURCES
+        }
+        # One read and report of a source at a time (the periodic scan, the kernel log's wake-up)
+        self._source_locks = {key: asyncio.Lock() for key in self._readers}
+        self._overrunning: set[tuple[str, str]] = set()
         self.probes = {
             node: Reachability(node, f"{names.node_request(node, 'info')}", unreachable_after)
             for node in machines
@@ -84,10 +115,17 @@ class Monitor:
     async def start(self) -> None:
         await self.follow_health()
         self._tasks.append(asyncio.create_task(self._loop()))
+        for node, detectors in self.detectors.items():
+            if is_record_device(detectors.paths.kmsg):
+                self._tasks.append(asyncio.create_task(self._follow_kernel_log(node)))
         log.info("monitoring %d machines every %gs", len(self.detectors), self.interval)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
+        for key, reader in self._readers.items():
+            reader.close()
+            if not reader.busy:  # a stuck read still uses its detector; the process exits
+                self.detectors[key[0]].close()
 
     async def _watch_health(self, caught_up: asyncio.Event) -> None:
         async for change in self.health_bucket.watch(caught_up=caught_up):
@@ -109,34 +147,104 @@ class Monitor:
     async def scan(self) -> int:
         """One pass over every machine; returns how many reports were written."""
         now = self.clock()
-        scanned = await asyncio.to_thread(
-            lambda: {node: det.scan(now) for node, det in self.detectors.items()}
-        )
+        sources = [
+            self._scan_source(node, source, now) for node in self.detectors for source in SOURCES
+        ]
+        probes = []
         if self.reachability:
             # A machine that never registered has no agent to answer yet (it is booting).
             reachable = [node for node in self.detectors if node in self.health]
-            await asyncio.gather(*(self._probe(node, now) for node in reachable))
-        written = 0
-        for node, by_source in scanned.items():
-            detectors = self.detectors[node]
-            malformed = detectors.malformed
-            for source, count in malformed.items():
-                seen = self._malformed.get((node, source), 0)
-                if count > seen:
-                    metrics.MALFORMED_INPUTS.labels(source).inc(count - seen)
-                    self._malformed[(node, source)] = count
-            sources = dict(by_source)
+            probes = [self._probe(node, now) for node in reachable]
+        done = await asyncio.gather(*sources, *probes)
+        written = sum(1 for result in done[: len(sources)] if result)
+        for node in self.detectors:
+            hosts: dict[str, list[Finding]] = {}
             if self.reachability:
-                sources["reachability"] = self.probes[node].findings(now)
+                hosts["reachability"] = self.probes[node].findings(now)
             beat = self.health.get(node)
             if now - self._started > self.heartbeat_timeout:
-                sources["heartbeat"] = heartbeat(
+                hosts["heartbeat"] = heartbeat(
                     node, beat.heartbeat_time if beat else None, self.heartbeat_timeout, now
                 )
-            for source, findings in sources.items():
-                if await self._report(node, source, findings, malformed.get(source, 0), now):
+            for source, findings in hosts.items():
+                if await self._report(node, source, findings, 0, now):
                     written += 1
         return written
+
+    async def _scan_source(self, node: str, source: str, now: datetime) -> bool:
+        """Reads one source of one machine within its bound and reports it; True if written."""
+        key = (node, source)
+        detectors = self.detectors[node]
+        async with self._source_locks[key]:
+            try:
+                findings = await self._readers[key].read(
+                    lambda: self._timed_read(detectors, source, now), self.source_timeout
+                )
+            except Overrun as overrun:
+                metrics.SOURCE_OVERRUNS.labels(source).inc()
+                if key not in self._overrunning:  # once per episode: it may last
+                    log.warning(
+                        "%s: the %s source is %s; scanning the others without it",
+                        node,
+                        source,
+                        overrun,
+                    )
+                    self._overrunning.add(key)
+                return False
+            except Exception:  # a detector's bug: that source waits, the others are reported
+                log.exception("%s: reading the %s source failed", node, source)
+                return False
+            if key in self._overrunning:
+                self._overrunning.discard(key)
+                log.info("%s: the %s source answers again", node, source)
+            malformed = detectors.malformed.get(source, 0)
+            seen = self._malformed.get(key, 0)
+            if malformed > seen:
+                metrics.MALFORMED_INPUTS.labels(source).inc(malformed - seen)
+                self._malformed[key] = malformed
+            return await self._report(node, source, findings, malformed, now)
+
+    @staticmethod
+    def _timed_read(detectors: MachineDetectors, source: str, now: datetime) -> list[Finding]:
+        started = time.perf_counter()
+        try:
+            return detectors.scan_source(source, now)
+        finally:
+            metrics.SOURCE_SECONDS.labels(source).observe(time.perf_counter() - started)
+
+    async def _follow_kernel_log(self, node: str) -> None:
+        """Between scans, wait for the record device to have a record (or an overwrite) and
+        read it at once: an Xid is reported as the kernel logs it, not at the next scan."""
+        loop = asyncio.get_running_loop()
+        detectors = self.detectors[node]
+        closed_for = 0.0
+        while True:
+            fd = detectors.kmsg_fileno()
+            if fd is None:  # not open yet: the first scan opens it (or failed to; it tries again)
+                pause = KMSG_BATCH_SECONDS if closed_for < self.interval else self.interval
+                await asyncio.sleep(pause)
+                closed_for += pause
+                continue
+            closed_for = 0.0
+            readable: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(fd, _wake, readable)
+            try:
+                await asyncio.wait_for(readable, self.interval)
+            except TimeoutError:
+                continue  # the periodic scan read it; look at the fd again (it may have changed)
+            finally:
+                loop.remove_reader(fd)
+            await asyncio.sleep(KMSG_BATCH_SECONDS)
+            if self._readers[(node, "kmsg")].busy:  # stuck: the periodic scan counts it
+                await asyncio.sleep(self.interval)
+                continue
+            try:
+                await self._scan_source(node, "kmsg", self.clock())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s: reading the kernel log failed; trying again", node)
+                await asyncio.sleep(self.interval)
 
     async def _probe(self, node: str, now: datetime) -> None:
         marker = self.blackholes.get(node)
@@ -209,11 +317,29 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--node", help="one machine: its name")
     defaults = MachinePaths.system()
-    parser.add_argument("--kmsg", default=defaults.kmsg, help="kernel log file")
+    parser.add_argument(
+        "--kmsg",
+        default=defaults.kmsg,
+        help="the kernel log: the record device /dev/kmsg (read as the kernel writes it), or a "
+        "kernel log file that grows (e.g. /var/log/kern.log)",
+    )
+    parser.add_argument(
+        "--kmsg-cursor",
+        default=None,
+        help="with --kmsg /dev/kmsg: the file that keeps the last record read and its boot id "
+        "across restarts, so no record is reported twice (default $STATE_DIRECTORY/"
+        "kmsg-cursor.json under systemd, else /var/lib/nodus-monitor/kmsg-cursor.json)",
+    )
     parser.add_argument("--dcgm", default=defaults.dcgm, help="dcgm-exporter text: file or URL")
     parser.add_argument("--npd", default=defaults.npd, help="Node Problem Detector conditions")
     parser.add_argument("--infiniband", default=defaults.infiniband, help="sysfs infiniband root")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between scans")
+    parser.add_argument(
+        "--source-timeout",
+        type=float,
+        default=SOURCE_TIMEOUT_SECONDS,
+        help="seconds one source may take to read before a scan goes on without it",
+    )
     parser.add_argument(
         "--keepalive", type=float, default=60.0, help="rewrite unchanged reports this often"
     )
@@ -227,7 +353,11 @@ def machines_of(args: argparse.Namespace) -> tuple[dict[str, MachinePaths], dict
     if args.node:
         return {
             args.node: MachinePaths(
-                kmsg=args.kmsg, dcgm=args.dcgm, npd=args.npd, infiniband=args.infiniband
+                kmsg=args.kmsg,
+                dcgm=args.dcgm,
+                npd=args.npd,
+                infiniband=args.infiniband,
+                kmsg_cursor=args.kmsg_cursor or default_kmsg_cursor(),
             )
         }, {}
     if args.state_dir is None:
@@ -262,6 +392,7 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         reachability=not args.no_reachability,
         heartbeat_timeout=args.heartbeat_timeout,
         blackholes=blackholes,
+        source_timeout=args.source_timeout,
     )
     try:
         await monitor.start()

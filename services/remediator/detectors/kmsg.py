@@ -9,14 +9,18 @@ of old and new drivers:
     NVRM: Xid (0000:03:00): 79, GPU has fallen off the bus.
     NVRM: Xid (0000:01:00): 13, 0004 00000000 0000a097 ...
 
-`KernelLog` is sans-I/O: feed it bytes as the file grows, `reset()` it when the log starts over
-(a new boot), ask it for findings at a given time."""
+`KernelLog` is sans-I/O: feed it bytes as the file grows (or one record's line at a time, from
+`/dev/kmsg`), `reset()` it when the log starts over (a new boot), ask it for findings at a given
+time. `snapshot()`/`restore()` carry what it found across a monitor restart, so records already
+read need not be read again (kmsgdevice.py)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+
+import msgspec
 
 from libs.contracts.remediation import (
     MAX_EVIDENCE_LINES,
@@ -79,12 +83,23 @@ def normalise_pci(address: str) -> str:
     return address[:10] if len(address) == 12 and address[10] == "." else address
 
 
+def may_matter(text: str) -> bool:
+    """False when the line cannot be an event (it holds none of the words every event line
+    holds, as most kernel lines): skipped without the regular expressions."""
+    return (
+        "NVRM: Xid" in text
+        or "fallen off the bus" in text
+        or "pciehp" in text
+        or "AER: Uncorrected" in text
+    )
+
+
 def parse_line(line: str) -> KernelEvent | None:
     """One kernel log line: an event, None when it says nothing about GPUs or PCIe; raises
     Malformed when it starts an Xid report it cannot finish."""
     if len(line) > MAX_LINE:
         raise Malformed("line too long")
-    if line.startswith(" "):  # a /dev/kmsg continuation line (` SUBSYSTEM=pci`)
+    if line.startswith(" ") or not may_matter(line):  # ` SUBSYSTEM=pci`: a continuation
         return None
     seconds, message = _kernel_seconds(line.rstrip("\r\n"))
     if "NVRM: Xid" in message:
@@ -142,6 +157,23 @@ def parse_line(line: str) -> KernelEvent | None:
     return None
 
 
+class SeenEvent(msgspec.Struct, kw_only=True):
+    """One fault the log showed, as a monitor keeps it across restarts."""
+
+    kind: AlertKind
+    subject: str
+    detail: str
+    line: str
+    xid: int | None = None
+    pid: str | None = None
+    process: str | None = None
+    kernel_seconds: float | None = None
+    first: datetime
+    last: datetime
+    count: int
+    lines: list[str] = []
+
+
 @dataclass(slots=True)
 class _Seen:
     event: KernelEvent
@@ -161,6 +193,7 @@ class KernelLog:
         self.where = where
         self.transient = transient
         self.malformed = 0
+        self.events = 0  # events fed so far (a reader saves its cursor when this moves)
         self._partial = b""
         self._seen: dict[tuple[AlertKind, str, int | None], _Seen] = {}
 
@@ -179,7 +212,37 @@ class KernelLog:
         for raw in lines:
             self.feed_line(raw.decode("utf-8", errors="replace"), now)
 
+    def snapshot(self) -> list[SeenEvent]:
+        return [
+            SeenEvent(
+                kind=s.event.kind,
+                subject=s.event.subject,
+                detail=s.event.detail,
+                line=s.event.line,
+                xid=s.event.xid,
+                pid=s.event.pid,
+                process=s.event.process,
+                kernel_seconds=s.event.kernel_seconds,
+                first=s.first,
+                last=s.last,
+                count=s.count,
+                lines=list(s.lines),
+            )
+            for s in self._seen.values()
+        ]
+
+    def restore(self, events: list[SeenEvent]) -> None:
+        """What an earlier reader of this boot's log found (its `snapshot()`)."""
+        self.reset()
+        for e in events:
+            event = KernelEvent(
+                e.kind, e.subject, e.detail, e.line, e.xid, e.pid, e.process, e.kernel_seconds
+            )
+            seen = _Seen(event, e.first, e.last, e.count, e.lines[-MAX_EVIDENCE_LINES:])
+            self._seen[(event.kind, event.subject, event.xid)] = seen
+
     def feed_line(self, line: str, now: datetime) -> None:
+        """One whole line, seen at `now` (for /dev/kmsg: when the kernel logged it)."""
         try:
             event = parse_line(line)
         except Malformed:
@@ -187,11 +250,12 @@ class KernelLog:
             return
         if event is None:
             return
+        self.events += 1
         key = (event.kind, event.subject, event.xid)
         seen = self._seen.get(key)
         if seen is None:
             seen = self._seen[key] = _Seen(event, now, now)
-        seen.last = now
+        seen.last = max(seen.last, now)
         seen.count += 1
         seen.event = event
         seen.lines = [*seen.lines, event.line][-MAX_EVIDENCE_LINES:]
