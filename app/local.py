@@ -31,6 +31,7 @@ from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Fleet, NodeHealth, NodeRecord, load_fleet
 from libs.contracts.relay import RelayRecord
 from services.agent.boot import new_lab_boot
+from services.agent.poweroff import power_off
 
 REPO = Path(libs.__file__).resolve().parent.parent
 RULES = REPO / "deploy" / "prometheus" / "rules" / "nodus.yml"  # the alert rules (O3)
@@ -496,6 +497,9 @@ class LocalSystem:
                 child.process.kill()
                 child.process.wait()
         self.children.clear()
+        # The agents stopped as an upgrade stops them: the machines power off too.
+        for machine in self.fleet.machines if self.fleet is not None else []:
+            power_off(self.machine_dir(machine.name))
         if self.nats:
             self.nats.stop()
         if self.lab is not None:

@@ -18,6 +18,7 @@ from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.lifecycle import RankStatus
 from libs.runtime.tasks import cancel_and_wait
+from services.agent import procs
 from services.agent.boot import BootIdentity
 
 log = logging.getLogger("nodus.agent.ranks")
@@ -36,40 +37,21 @@ class RankProcess(msgspec.Struct):
     boot_id: str = ""  # empty: a record of an agent before keepers, never adopted
 
 
-def _start_ticks(pid: int) -> int | None:
-    """When `pid` started, in clock ticks since boot; None if no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            stat = handle.read()
-    except OSError:
-        return None
-    # Fields after the command name (which may hold spaces) start at the last ')'.
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
-
-
 def _alive(remembered: RankProcess) -> bool:
-    return _start_ticks(remembered.pid) == remembered.start_ticks
+    return procs.alive(remembered.pid, remembered.start_ticks)
 
 
-async def _exited(pid: int) -> None:
-    """Until process `pid`, not a child of ours, has ended (a pidfd turns readable then)."""
-    loop = asyncio.get_running_loop()
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    ended: asyncio.Future[None] = loop.create_future()
-
-    def readable() -> None:
-        if not ended.done():
-            ended.set_result(None)
-
-    loop.add_reader(fd, readable)
-    try:
-        await ended
-    finally:
-        loop.remove_reader(fd)
-        os.close(fd)
+def kill_remembered(log_dir: Path) -> int:
+    """Kill every rank whose record is in `log_dir` and still runs (its keeper's group): the
+    lab machine powers off. Returns how many."""
+    killed = 0
+    for path in log_dir.glob("*.pid"):
+        try:
+            remembered = msgspec.json.decode(path.read_bytes(), type=RankProcess)
+        except (OSError, msgspec.DecodeError):
+            continue
+        killed += procs.kill_group(remembered.pid, remembered.start_ticks)
+    return killed
 
 
 class Rank:
@@ -93,7 +75,7 @@ class Rank:
         if self.process is not None:
             await self.process.wait()
         else:
-            await _exited(self.pid)
+            await procs.exited(self.pid)
 
 
 class RankRunner:
@@ -150,11 +132,8 @@ class RankRunner:
                 adopted += 1
                 continue
             # Another boot's. A real reboot ended it; the pid may be another process now.
-            if (boot.simulated or not remembered.boot_id) and _alive(remembered):
-                try:
-                    os.killpg(remembered.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            if boot.simulated or not remembered.boot_id:
+                procs.kill_group(remembered.pid, remembered.start_ticks)
             status = msgspec.structs.replace(remembered.status, state="Stopped", ended_time=now())
             await self.ranks.put(key, status)
             path.unlink(missing_ok=True)
@@ -210,7 +189,7 @@ class RankRunner:
             started_time=now(),
             log=str(path),
         )
-        ticks = _start_ticks(process.pid)
+        ticks = procs.start_ticks(process.pid)
         if ticks is not None:
             remembered = RankProcess(
                 status=status, pid=process.pid, start_ticks=ticks, boot_id=self.boot_id
