@@ -209,7 +209,7 @@ def test_a_killed_agent_and_placer_are_started_again_on_the_same_boot(
         before = daemon_pid(state, pattern)
         assert before is not None, pattern
         os.kill(before, signal.SIGKILL)
-        wait_for(lambda p=pattern, b=before: daemon_pid(state, p) not in (None, b), timeout=20)  # type: ignore[misc]
+        wait_for(lambda p=pattern, b=before: daemon_pid(state, p) not in (None, b), timeout=20)
     assert up.poll() is None
     wait_for(lambda: nodus(url, "get", "jobs", check=False).returncode == 0, timeout=30)
     assert boot_of() == boot
