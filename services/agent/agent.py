@@ -51,6 +51,7 @@ from services.agent.dataplane.supervisor import (
     DataplaneMetrics,
     Launch,
     ProcessDataplane,
+    dataplane_families,
     kill_stale,
 )
 from services.agent.gangwork import GangWork
@@ -171,7 +172,9 @@ class Agent:
         # An agent without a state directory cannot start again on the same boot: nothing
         # of its epochs is kept.
         self.store = EpochStore(state_dir) if state_dir is not None else None
-        self._metrics = DataplaneMetrics(self._dataplane_sockets)
+        self._metrics = DataplaneMetrics(
+            self._dataplane_sockets, dataplane_families() if dataplanes is not None else ()
+        )
         self.gangs = GangWork(
             bus,
             self.node,

@@ -21,9 +21,10 @@ import importlib.util
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from libs.client.client import Client
 from libs.contracts import names
 from libs.contracts.jobs import Job, Phase
 from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest
+from services.agent.private import PortRules
 from tests.e2e import relayed_lab
 from tests.e2e.relayed_lab import new_system
 from tests.factories import job
@@ -47,6 +49,12 @@ IPERF = str(REPO / "tests" / "e2e" / "programs" / "iperf_gang.py")
 GLOO = str(REPO / "examples" / "workloads" / "gloo_allreduce.py")
 IPERF_SECONDS = 20
 L4 = {"count": 1, "backend": "cuda", "model": "L4"}
+# Two VMs on one provider's private network (another model: the Direct jobs never land there).
+A10 = {"count": 1, "backend": "cuda", "model": "A10"}
+PRIVATE_MACHINES = [
+    ("ar-vpc-1", "198.18.7.11", "198.18.107.11"),
+    ("ar-vpc-2", "198.18.7.12", "198.18.107.12"),
+]
 DIRECT_MACHINES = [
     ("ar-east", "lambda", "198.18.3.1", False),
     ("ar-west", "crusoe", "198.19.6.1", True),
@@ -191,12 +199,24 @@ def logs_of(system: LocalSystem, name: str) -> list[str]:
     return texts
 
 
-def iperf_through_restarts(system: LocalSystem, transport: str, name: str, how: str) -> None:
+Restart = Callable[[LocalSystem, list[str], str, str], list[float]]
+
+
+def iperf_through_restarts(
+    system: LocalSystem,
+    transport: str,
+    name: str,
+    how: str,
+    model: str = "L4",
+    restart: Restart = restart_agents,
+) -> list[str]:
+    """iperf3 between the gang's ranks while `restart` restarts their agents; returns the
+    members' nodes by rank."""
     spec = job(
         name,
         org="acme",
         command=[sys.executable, IPERF, str(free_port()), str(IPERF_SECONDS), "2"],
-        accelerators={"model": "L4"},
+        accelerators={"model": model},
         distributed={"members": 2, "transport": transport},
     )
     placed = apply_and_wait_running(system, spec)
@@ -205,7 +225,7 @@ def iperf_through_restarts(system: LocalSystem, transport: str, name: str, how: 
     nodes = [m.node for m in sorted(placed.status.gang.members, key=lambda m: m.rank)]
     wait_until(system, name, 1, lambda line: line.get("event") == "client-start", 60)
     time.sleep(3)
-    back = restart_agents(system, nodes, how, gang)
+    back = restart(system, nodes, how, gang)
     ended = wait_ended(system, name, IPERF_SECONDS + 90)
     texts = logs_of(system, name)
     results = [line["iperf"] for line in json_lines(texts[1]) if "iperf" in line]
@@ -217,6 +237,7 @@ def iperf_through_restarts(system: LocalSystem, transport: str, name: str, how: 
     assert len(result["intervals"]) >= IPERF_SECONDS and result["zeroIntervals"] == 0, result
     assert ended.status.phase is Phase.SUCCEEDED, f"{ended.status}; {detail}"
     assert ended.status.epoch == 1, f"the gang was placed again: epoch {ended.status.epoch}"
+    return nodes
 
 
 def torchrun_through_restarts(system: LocalSystem, transport: str, name: str, how: str) -> None:
@@ -308,6 +329,23 @@ def direct(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSystem]:
                     }
                     for node, provider, address, nat in DIRECT_MACHINES
                 ]
+                + [
+                    {
+                        "name": node,
+                        "provider": "aws",
+                        "region": "us-east-1",
+                        "regionClass": "us",
+                        "offering": "vm",
+                        "address": address,
+                        "privateNetwork": "vpc",
+                        "privateAddress": private,
+                        "privateInterface": "ens5",
+                        "pool": "a10",
+                        "cluster": "c",
+                        "accelerators": A10,
+                    }
+                    for node, address, private in PRIVATE_MACHINES
+                ]
             }
         )
     )
@@ -339,3 +377,39 @@ def test_torchrun_over_a_direct_gang_succeeds_in_the_same_epoch_as_its_agents_re
 ) -> None:
     assert importlib.util.find_spec("torch") is not None, "`make test` installs PyTorch"
     torchrun_through_restarts(direct, "Direct", f"dr-torch-{how.lower()}", how)
+
+
+def test_a_private_gang_keeps_its_port_rules_as_they_are_through_its_agents_restarting(
+    direct: LocalSystem,
+) -> None:
+    """G22's rules are kernel state the next agent adopts, not rewrites: each member's
+    nftables table is the same table (same handle, same rules) after its agent was SIGKILLed
+    and started again, and iperf3 over the private network never stalled. The rules go when
+    the job ends."""
+    lab = direct.lab
+    assert lab is not None
+    table = PortRules("acme.pv-iperf", 1, "ens5", (), 0, (0, 0)).table
+
+    def listed(node: str) -> str:
+        argv = lab.machine_argv(node, ["nft", "-a", "list", "table", "inet", table])
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+        return done.stdout if done.returncode == 0 else f"absent: {done.stderr.strip()}"
+
+    def restart_and_compare(
+        system: LocalSystem, nodes: list[str], how: str, gang: str
+    ) -> list[float]:
+        before = {node: listed(node) for node in nodes}
+        assert all("handle" in text for text in before.values()), before
+        back = restart_agents(system, nodes, how, gang)
+        after = {node: listed(node) for node in nodes}
+        assert after == before, f"the port rules were rewritten: {before} -> {after}"
+        return back
+
+    nodes = iperf_through_restarts(
+        direct, "Direct", "pv-iperf", "SIGKILL", model="A10", restart=restart_and_compare
+    )
+    assert sorted(nodes) == sorted(n for n, _, _ in PRIVATE_MACHINES)
+    deadline = time.monotonic() + 15
+    while not all(listed(node).startswith("absent") for node in nodes):
+        assert time.monotonic() < deadline, "the port rules outlived the job"
+        time.sleep(0.2)

@@ -32,6 +32,7 @@ import pytest
 
 from app.local import REPO
 from libs.bus.server import free_port
+from services.agent.dataplane.store import EpochStore
 from tests.e2e import relayed_lab
 from tests.e2e.daemon_logs import DaemonLogs
 from tests.e2e.programs.netclient import (
@@ -544,19 +545,22 @@ def test_d_a_thousand_short_connections_leak_nothing(lab: Lab) -> None:
         )
 
 
-# -- e. a peer whose agent is stopped -------------------------------------------------------------
+# -- e. a peer whose dataplane is stopped ---------------------------------------------------------
 
 
-def test_e_a_connect_to_a_member_whose_agent_is_stopped_fails_fast(lab: Lab) -> None:
-    """SIGSTOP the server member's agent; 2 s later a connect to that member (Python's
+def test_e_a_connect_to_a_member_whose_dataplane_is_stopped_fails_fast(lab: Lab) -> None:
+    """SIGSTOP the server member's dataplane (the process of its epoch's tunnel: its agent
+    may stop and start without it, O4); 2 s later a connect to that member (Python's
     socket.connect with settimeout(5), under the shim) must fail with EHOSTUNREACH within 1 s.
-    The agent is resumed at once after (a stop longer than the placer's heartbeat timeout
-    would end the module's gang)."""
+    It is resumed at once after (a stop longer than the relays' patience would end the
+    module's gang)."""
     with PeerServer(lab.server.address, request_response) as server:
         result = netclient(lab, "rr", lab.server.address, str(server.port), "1", timeout=60)
         assert result["ok"] == 1, result  # the path works before the stop
-        agent = lab.agent(lab.server.node)
-        os.kill(agent.process.pid, signal.SIGSTOP)
+        stored = EpochStore(lab.system.machine_dir(lab.server.node)).load_all()
+        assert len(stored) == 1 and stored[0].process is not None, stored
+        dataplane = stored[0].process.pid
+        os.kill(dataplane, signal.SIGSTOP)
         try:
             time.sleep(2.0)
             try:
@@ -576,11 +580,13 @@ def test_e_a_connect_to_a_member_whose_agent_is_stopped_fails_fast(lab: Lab) -> 
             except subprocess.TimeoutExpired:
                 outcome = "(killed after 8 s: the connect never returned)"
         finally:
-            os.kill(agent.process.pid, signal.SIGCONT)
+            os.kill(dataplane, signal.SIGCONT)
         lines = [line for line in outcome.splitlines() if line.startswith("{")]
         report: dict[str, Any] = json.loads(lines[-1]) if lines else {"outcome": outcome}
         assert report.get("outcome") == "EHOSTUNREACH" and report["seconds"] < 1.0, (
-            f"connect to {lab.server.node} with its agent stopped: {report} "
+            f"connect to {lab.server.node} with its dataplane stopped: {report} "
             f"(wanted EHOSTUNREACH within 1 s)"
         )
-        print(f"connect with the peer's agent stopped: {report['outcome']} in {report['seconds']}s")
+        print(
+            f"connect with the peer's dataplane stopped: {report['outcome']} in {report['seconds']}s"
+        )

@@ -237,8 +237,12 @@ class DataplaneMetrics:
     over its control socket when /metrics is scraped, the same series of several summed (one
     node's counters; a dataplane restarted starts its counters again, as any process does)."""
 
-    def __init__(self, sockets: Callable[[], Iterable[Path]]) -> None:
+    def __init__(
+        self, sockets: Callable[[], Iterable[Path]], declared: Iterable[Metric] = ()
+    ) -> None:
         self.sockets = sockets
+        # Families declared even while no dataplane runs: dashboards and alert rules name them.
+        self.declared = list(declared)
 
     def describe(self) -> list[Metric]:
         return []  # names unknown until scraped; nothing to check against at register
@@ -266,4 +270,27 @@ class DataplaneMetrics:
                     values[index] = values.get(index, 0.0) + sample.value
         for (name, sample_name, labels), value in values.items():
             merged[name].add_sample(sample_name, dict(labels), value)
+        for family in self.declared:
+            merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
         return list(merged.values())
+
+
+def dataplane_families() -> list[Metric]:
+    """The families a dataplane process exports (its modules' metrics), for an agent whose
+    dataplanes run as processes: imported here only to be described, and taken out of this
+    process's registry, where the dataplanes' own series come through DataplaneMetrics."""
+    from prometheus_client import REGISTRY
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from services.agent import direct, fallback, socks, tunnel, wgdevice
+
+    families: list[Metric] = []
+    for module in (direct, fallback, socks, tunnel, wgdevice):
+        for value in vars(module).values():
+            if isinstance(value, MetricWrapperBase):
+                families.extend(value.describe())
+                try:
+                    REGISTRY.unregister(value)
+                except KeyError:  # taken out already (a second agent in this process)
+                    pass
+    return families
