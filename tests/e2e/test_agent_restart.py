@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from app.demo import lab_unavailable
 from app.local import REPO, LocalSystem
@@ -40,6 +37,8 @@ from libs.contracts.jobs import Job, Phase
 from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest
 from services.agent.private import PortRules
 from tests.e2e import relayed_lab
+from tests.e2e.joblogs import json_lines, rank_log
+from tests.e2e.netns_lab import lab_system
 from tests.e2e.relayed_lab import new_system
 from tests.factories import job
 
@@ -48,9 +47,7 @@ pytestmark = pytest.mark.slow
 IPERF = str(REPO / "tests" / "e2e" / "programs" / "iperf_gang.py")
 GLOO = str(REPO / "examples" / "workloads" / "gloo_allreduce.py")
 IPERF_SECONDS = 20
-L4 = {"count": 1, "backend": "cuda", "model": "L4"}
 # Two VMs on one provider's private network (another model: the Direct jobs never land there).
-A10 = {"count": 1, "backend": "cuda", "model": "A10"}
 PRIVATE_MACHINES = [
     ("ar-vpc-1", "198.18.7.11", "198.18.107.11"),
     ("ar-vpc-2", "198.18.7.12", "198.18.107.12"),
@@ -70,27 +67,6 @@ def run(system: LocalSystem, work: Any) -> Any:
             await client.close()
 
     return asyncio.run(body())
-
-
-async def rank_log(client: Client, name: str, rank: int) -> str:
-    text, offset = "", 0
-    while True:
-        reply = await client.logs(name, rank, offset)
-        if not reply.data:
-            return text
-        text += reply.data
-        offset = reply.offset
-
-
-def json_lines(text: str) -> list[dict[str, Any]]:
-    found = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                found.append(json.loads(line))
-            except ValueError:
-                continue
-    return found
 
 
 def apply_and_wait_running(system: LocalSystem, spec: Job, limit: float = 120) -> Job:
@@ -309,54 +285,8 @@ def direct(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSystem]:
     unavailable = lab_unavailable()
     if unavailable is not None:
         pytest.skip(str(unavailable))
-    root: Path = tmp_path_factory.mktemp("agent-restart-direct")
-    fleet = root / "fleet.yaml"
-    fleet.write_text(
-        yaml.safe_dump(
-            {
-                "machines": [
-                    {
-                        "name": node,
-                        "provider": provider,
-                        "region": f"{provider}-1",
-                        "regionClass": "us",
-                        "offering": "vm",
-                        "address": address,
-                        "nat": nat,
-                        "pool": "l4",
-                        "cluster": "c",
-                        "accelerators": L4,
-                    }
-                    for node, provider, address, nat in DIRECT_MACHINES
-                ]
-                + [
-                    {
-                        "name": node,
-                        "provider": "aws",
-                        "region": "us-east-1",
-                        "regionClass": "us",
-                        "offering": "vm",
-                        "address": address,
-                        "privateNetwork": "vpc",
-                        "privateAddress": private,
-                        "privateInterface": "ens5",
-                        "pool": "a10",
-                        "cluster": "c",
-                        "accelerators": A10,
-                    }
-                    for node, address, private in PRIVATE_MACHINES
-                ]
-            }
-        )
-    )
-    system = LocalSystem(
-        fleet_path=fleet,
-        state_dir=root / "state",
-        nats_port=4222,
-        heartbeat_seconds=1.0,
-        probe_seconds=2.0,
-        netns=True,
-    )
+    root = tmp_path_factory.mktemp("agent-restart-direct")
+    system = lab_system(root, DIRECT_MACHINES, PRIVATE_MACHINES)
     try:
         asyncio.run(system.start(timeout=90))
         yield system

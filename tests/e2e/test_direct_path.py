@@ -21,13 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from app.demo import lab_unavailable
 from app.local import REPO, LocalSystem
 from libs.client.client import Client
 from libs.contracts.jobs import ConditionType, Job, Phase
 from tests.e2e.daemon_logs import DaemonLogs
+from tests.e2e.netns_lab import lab_system
 from tests.factories import job
 from tests.integration.lab_programs import seen_by
 
@@ -36,11 +36,9 @@ pytestmark = [
     pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable())),
 ]
 
-L4 = {"count": 1, "backend": "cuda", "model": "L4"}
 MACHINES = [("vm-east", "lambda", "198.18.3.1", False), ("vm-west", "crusoe", "198.19.6.1", True)]
 # Three VMs on one provider's private network (another accelerator model, so the Direct jobs
 # never land there): a 2-member Private gang leaves one of them a non-member on its network.
-A10 = {"count": 1, "backend": "cuda", "model": "A10"}
 PRIVATE = [(f"vpc-{i}", f"198.18.7.{i}", f"198.18.107.{i}") for i in (1, 2, 3)]
 CUT = """table inet nodus_test_cut {
   chain out { type filter hook output priority filter; oifname "eth0" meta l4proto udp drop; }
@@ -51,54 +49,7 @@ CUT = """table inet nodus_test_cut {
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSystem]:
-    root = tmp_path_factory.mktemp("direct")
-    fleet = root / "fleet.yaml"
-    fleet.write_text(
-        yaml.safe_dump(
-            {
-                "machines": [
-                    {
-                        "name": name,
-                        "provider": provider,
-                        "region": f"{provider}-1",
-                        "regionClass": "us",
-                        "offering": "vm",
-                        "address": address,
-                        "nat": nat,
-                        "pool": "l4",
-                        "cluster": "c",
-                        "accelerators": L4,
-                    }
-                    for name, provider, address, nat in MACHINES
-                ]
-                + [
-                    {
-                        "name": name,
-                        "provider": "aws",
-                        "region": "us-east-1",
-                        "regionClass": "us",
-                        "offering": "vm",
-                        "address": address,
-                        "privateNetwork": "vpc",
-                        "privateAddress": private,
-                        "privateInterface": "ens5",
-                        "pool": "a10",
-                        "cluster": "c",
-                        "accelerators": A10,
-                    }
-                    for name, address, private in PRIVATE
-                ]
-            }
-        )
-    )
-    local = LocalSystem(
-        fleet_path=fleet,
-        state_dir=root / "state",
-        nats_port=4222,
-        heartbeat_seconds=1.0,
-        probe_seconds=2.0,
-        netns=True,
-    )
+    local = lab_system(tmp_path_factory.mktemp("direct"), MACHINES, PRIVATE)
     try:
         asyncio.run(local.start(timeout=90))
         yield local

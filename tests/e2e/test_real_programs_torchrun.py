@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -25,6 +23,7 @@ from app.local import REPO
 from libs.client.client import Client
 from libs.contracts.jobs import Job, Phase
 from tests.e2e import relayed_lab
+from tests.e2e.joblogs import json_lines, rank_log
 from tests.e2e.relayed_lab import new_system, start_lab
 
 pytestmark = pytest.mark.slow
@@ -32,28 +31,6 @@ pytestmark = pytest.mark.slow
 ITERATIONS = 20
 MIB = 64
 WORKLOAD = REPO / "examples" / "workloads" / "gloo_allreduce.py"
-
-
-async def rank_log(client: Client, name: str, rank: int) -> str:
-    """All of a rank's output so far (what `nodus logs NAME --rank N` prints)."""
-    text, offset = "", 0
-    while True:
-        reply = await client.logs(name, rank, offset)
-        if not reply.data:
-            return text
-        text += reply.data
-        offset = reply.offset
-
-
-def json_lines(text: str) -> list[dict[str, Any]]:
-    found = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                found.append(json.loads(line))
-            except ValueError:
-                continue
-    return found
 
 
 def test_f_torchrun_gloo_allreduce_survives_a_relay_kill_and_succeeds(tmp_path: Path) -> None:
