@@ -262,21 +262,6 @@ def relayed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSystem]:
         system.stop()
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
-def test_iperf3_over_a_relayed_gang_outlives_its_agents_restarting(
-    relayed: LocalSystem, how: str
-) -> None:
-    iperf_through_restarts(relayed, "Auto", f"rl-iperf-{how.lower()}", how)
-
-
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
-def test_torchrun_over_a_relayed_gang_succeeds_in_the_same_epoch_as_its_agents_restart(
-    relayed: LocalSystem, how: str
-) -> None:
-    assert importlib.util.find_spec("torch") is not None, "`make test` installs PyTorch"
-    torchrun_through_restarts(relayed, "Auto", f"rl-torch-{how.lower()}", how)
-
-
 # -- the Direct path: two VMs of the network-namespace lab, one behind NAT ----------------------
 
 
@@ -294,19 +279,23 @@ def direct(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSystem]:
         system.stop()
 
 
+PATHS = {"relayed": ("Auto", "rl"), "direct": ("Direct", "dr")}
+
+
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
-def test_iperf3_over_a_direct_gang_outlives_its_agents_restarting(
-    direct: LocalSystem, how: str
+@pytest.mark.parametrize("program", ["iperf3", "torchrun"])
+@pytest.mark.parametrize("path", ["relayed", "direct"])
+def test_a_gang_outlives_its_agents_restarting_in_the_same_epoch(
+    request: pytest.FixtureRequest, path: str, program: str, how: str
 ) -> None:
-    iperf_through_restarts(direct, "Direct", f"dr-iperf-{how.lower()}", how)
-
-
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
-def test_torchrun_over_a_direct_gang_succeeds_in_the_same_epoch_as_its_agents_restart(
-    direct: LocalSystem, how: str
-) -> None:
-    assert importlib.util.find_spec("torch") is not None, "`make test` installs PyTorch"
-    torchrun_through_restarts(direct, "Direct", f"dr-torch-{how.lower()}", how)
+    system: LocalSystem = request.getfixturevalue(path)  # the path's module-wide system
+    transport, prefix = PATHS[path]
+    name = f"{prefix}-{program[:5]}-{how.lower()}"
+    if program == "iperf3":
+        iperf_through_restarts(system, transport, name, how)
+    else:
+        assert importlib.util.find_spec("torch") is not None, "`make test` installs PyTorch"
+        torchrun_through_restarts(system, transport, name, how)
 
 
 def test_a_private_gang_keeps_its_port_rules_as_they_are_through_its_agents_restarting(

@@ -5,7 +5,6 @@ create them); a machine facts file fills in what the flags do not say."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -13,11 +12,9 @@ import sys
 from pathlib import Path
 
 from libs.bus import Bus
-from libs.bus.auth import AGENT
 from libs.bus.server import NatsServer
-from libs.contracts import names
-from libs.contracts.fleet import NodeRecord
 from services.agent.discover import try_udp, try_wireguard_device
+from tests.integration.described_agent import run_described_agent
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {k: v for k, v in os.environ.items() if k != "NODUS_FLEET"}  # no fleet file: discovery
@@ -41,61 +38,12 @@ def _default_address() -> str:
     return str(addresses[0]["addr_info"][0]["local"])
 
 
-async def _registered(url: str, node: str) -> NodeRecord:
-    bus = await Bus.open(url, name="test", buckets=[names.BUCKET_NODES])
-    try:
-        nodes = bus.bucket(names.BUCKET_NODES, NodeRecord)
-        for _ in range(200):
-            found = await nodes.get(node)
-            if found is not None:
-                return found.value
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"{node} never registered")
-    finally:
-        await bus.close()
-
-
 def test_an_agent_without_a_fleet_file_describes_this_machine(
     nats_server: NatsServer, bus: Bus, tmp_path: Path
 ) -> None:
     facts = tmp_path / "machine.yaml"
     facts.write_text("pool: cpu\ncluster: lab\nregionClass: eu\n")
-    agent = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app",
-            "agent",
-            "--node",
-            "me",
-            "--region",
-            "r",
-            "--provider",
-            "p",
-            "--machine-file",
-            str(facts),
-            "--nats",
-            nats_server.url,
-            "--credentials",  # the agent's own bus user, confined to its node (S1)
-            nats_server.user("agent-me", AGENT, "me"),
-            "--no-nodus0",
-            "--no-port-rules",
-            "--socks-listen",
-            "127.0.0.1:0",
-            "--state-dir",
-            str(tmp_path / "me"),
-        ],
-        cwd=REPO,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        record = asyncio.run(_registered(nats_server.url, "me"))
-    finally:
-        agent.terminate()
-        out, _ = agent.communicate(timeout=20)
+    record, out, code = run_described_agent(nats_server, "me", facts, tmp_path / "me", ENV)
     inventory = record.inventory
     assert (inventory.provider, inventory.region, inventory.region_class) == ("p", "r", "eu")
     assert (inventory.pool, inventory.cluster) == ("cpu", "lab")
@@ -104,7 +52,7 @@ def test_an_agent_without_a_fleet_file_describes_this_machine(
     vm = try_wireguard_device() and try_udp()
     assert inventory.offering == ("vm" if vm else "container"), out
     assert ("wireguard-device" in record.capabilities) is vm
-    assert agent.returncode == 0, out
+    assert code == 0, out
 
 
 def test_an_agent_that_cannot_describe_its_machine_says_why(tmp_path: Path) -> None:

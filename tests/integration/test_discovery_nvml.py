@@ -6,7 +6,6 @@ what the agent would register, and what it says about what it could not read."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -17,9 +16,8 @@ from pathlib import Path
 import pytest
 
 from libs.bus import Bus
-from libs.bus.auth import AGENT
 from libs.bus.server import NatsServer
-from tests.integration.test_agent_discovery import _registered
+from tests.integration.described_agent import run_described_agent
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "tests" / "fixtures" / "nvml" / "fake_nvml.c"
@@ -179,42 +177,9 @@ def test_the_agent_registers_what_nvml_said_and_what_it_could_not_read(
         "LD_LIBRARY_PATH": str(library),
         "NODUS_FAKE_NVML": str(config),
     }
-    agent = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app",
-            "agent",
-            "--node",
-            "gpu-a",
-            "--region",
-            "r",
-            "--provider",
-            "p",
-            "--machine-file",
-            str(tmp_path / "none.yaml"),
-            "--nats",
-            nats_server.url,
-            "--credentials",
-            nats_server.user("agent-gpu-a", AGENT, "gpu-a"),
-            "--no-nodus0",
-            "--no-port-rules",
-            "--socks-listen",
-            "127.0.0.1:0",
-            "--state-dir",
-            str(tmp_path / "gpu-a"),
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    record, out, code = run_described_agent(
+        nats_server, "gpu-a", tmp_path / "none.yaml", tmp_path / "gpu-a", env
     )
-    try:
-        record = asyncio.run(_registered(nats_server.url, "gpu-a"))
-    finally:
-        agent.terminate()
-        out, _ = agent.communicate(timeout=20)
     acc = record.inventory.accelerators
     assert (acc.count, acc.model, acc.backend, acc.collectives) == (8, "H100", "cuda", "nccl")
     assert [d.name for d in acc.devices] == [f"CUDA{i}" for i in range(8)]
@@ -223,4 +188,4 @@ def test_the_agent_registers_what_nvml_said_and_what_it_could_not_read(
     said = "GPU 0000:ab:00.0: memory size not reported (NVML: Not Supported)"
     assert acc.warnings == [said]
     assert f"discovery: {said}" in out, out
-    assert agent.returncode == 0, out
+    assert code == 0, out
