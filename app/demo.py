@@ -19,6 +19,7 @@ from app.netlab import missing_requirements
 from app.output import jsonpath, table
 from libs.bus.server import free_port
 from libs.client.client import Client, job_document, load_jobs
+from libs.contracts import names
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.jobs import Job, Phase
 
@@ -79,7 +80,7 @@ async def _run_demo(state: Path, netns: bool, nats_cluster: int) -> int:
         system = LocalSystem(
             fleet_path=NETNS_FLEET,
             state_dir=state,
-            nats_port=4222,
+            nats_port=names.NATS_PORT,
             heartbeat_seconds=1.0,
             probe_seconds=2.0,
             netns=True,

@@ -54,7 +54,7 @@ class Child:
 class LocalSystem:
     fleet_path: Path = DEFAULT_FLEET
     state_dir: Path = Path(".nodus")
-    nats_port: int = 4222
+    nats_port: int = names.NATS_PORT
     placers: int = 1
     relays: int = 2
     probe_seconds: float = 10.0
@@ -338,7 +338,7 @@ class LocalSystem:
             self.lab.create()
             try:
                 self.nats = self._start_nats(
-                    [p or 4222 + i for i, p in enumerate(ports)],
+                    [p or names.NATS_PORT + i for i, p in enumerate(ports)],
                     str(CONTROL_ADDRESS),
                     in_namespace(self.lab.topology.control, []),
                 )

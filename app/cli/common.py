@@ -46,10 +46,6 @@ class Kind:
     show: AsyncBody
 
 
-def no_arguments(parser: argparse.ArgumentParser) -> None:
-    """For a command that takes no flags of its own."""
-
-
 def add_commands(
     parser: argparse.ArgumentParser, dest: str, commands: Sequence[Command], metavar: str
 ) -> None:

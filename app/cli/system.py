@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 
 from app.cli.common import Command, run_async
+from libs.contracts import names
 
 
 def _nats_cluster_flag(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +28,12 @@ def _nats_cluster_flag(parser: argparse.ArgumentParser) -> None:
 
 def _up_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet", type=Path, help="fleet file (default: examples/fleet.yaml)")
-    parser.add_argument("--nats-port", type=int, default=4222, help="NATS port (default 4222)")
+    parser.add_argument(
+        "--nats-port",
+        type=int,
+        default=names.NATS_PORT,
+        help=f"NATS port (default {names.NATS_PORT})",
+    )
     parser.add_argument("--state-dir", type=Path, default=Path(".nodus"), help="default .nodus")
     parser.add_argument("--placers", type=int, default=1, help="placer replicas (default 1)")
     _nats_cluster_flag(parser)

@@ -180,9 +180,6 @@ class NetLab:
         namespace = self.topology.machines[machine]
         return in_namespace(namespace, argv, private_wireguard=True)
 
-    def control_argv(self, argv: list[str]) -> list[str]:
-        return in_namespace(self.topology.control, argv)
-
 
 def in_namespace(namespace: str, argv: list[str], private_wireguard: bool = False) -> list[str]:
     if not private_wireguard:

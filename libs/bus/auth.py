@@ -29,7 +29,15 @@ ROLES = (AGENT, RELAY, DETECTOR, SERVICE, OPERATOR)
 NAMED_ROLES = (AGENT, RELAY, DETECTOR)  # identities that carry a node, relay or detector name
 
 # Everything Nodus itself uses: what a service may publish and subscribe to.
-NODUS_SUBJECTS = ["nodus.>", "$JS.API.>", "$KV.>", "$JS.FC.>", "$JS.ACK.>", "$SRV.>", "_INBOX.>"]
+NODUS_SUBJECTS = [
+    names.SUBJECTS,
+    "$JS.API.>",
+    "$KV.>",
+    "$JS.FC.>",
+    "$JS.ACK.>",
+    "$SRV.>",
+    "_INBOX.>",
+]
 
 _SUBJECT_TOKEN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -137,7 +145,7 @@ def agent_permissions(node: str) -> dict[str, Any]:
     publish = [s for keys in agent_keys(node) for s in keys.subjects()]
     subscribe = [
         f"{agent_inbox(node)}.>",
-        f"nodus.node.{node}.req.>",  # the requests addressed to this node
+        names.node_requests(node),
         # NATS micro discovery ($SRV.PING, $SRV.INFO.nodus-agent, ...), answered as a reply
         "$SRV.*",
         "$SRV.*.nodus-agent",
@@ -162,7 +170,7 @@ def relay_permissions(relay: str) -> dict[str, Any]:
     publish += [
         f"$JS.API.STREAM.INFO.{names.USAGE_STREAM}",
         f"$JS.API.STREAM.INFO.{names.EVENTS_STREAM}",
-        f"nodus.usage.{relay}.>",
+        names.relay_usage(relay),
     ]
     return {
         "publish": {"allow": publish},

@@ -24,6 +24,7 @@ from nats.nuid import NUID
 from libs.bus.connection import connect, jetstream, refusal_of
 from libs.bus.kv import Bucket, named_watches
 from libs.bus.retry import retrying
+from libs.contracts import names
 from libs.contracts.base import decode, encode
 from libs.contracts.errors import ErrorCode, ErrorReply, NodusError
 from libs.contracts.names import EVENTS_STREAM, EVENTS_SUBJECTS, USAGE_STREAM, USAGE_SUBJECTS
@@ -37,10 +38,9 @@ Rep = TypeVar("Rep", bound=msgspec.Struct)
 
 NO_RESPONDER_RETRIES = (0.02, 0.05, 0.1, None)
 ERROR_HEADER = "Nats-Service-Error"
-ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 
 # History kept per key: enough for `describe` to show recent transitions.
-BUCKET_HISTORY = {"nodus-jobs": 10, "nodus-ranktables": 10, "nodus-epochs": 5}
+BUCKET_HISTORY = {names.BUCKET_JOBS: 10, names.BUCKET_RANKTABLES: 10, names.BUCKET_EPOCHS: 5}
 
 
 def replicas() -> int:
@@ -323,6 +323,18 @@ class Endpoint(Generic[Req, Rep]):
     ) -> None:
         self._setup(name, subject, request, concurrency)
         self.handler = handler
+
+    @classmethod
+    def of_agent(
+        cls,
+        node: str,
+        verb: names.AgentVerb,
+        request: type[Req],
+        handler: Callable[[Req], Awaitable[Rep]],
+        concurrency: int = 1,
+    ) -> Endpoint[Req, Rep]:
+        """The endpoint of one node's agent that answers `verb`."""
+        return cls(verb.value, names.node_request(node, verb), request, handler, concurrency)
 
     def _setup(self, name: str, subject: str, request: type[Req], concurrency: int) -> None:
         self.name = name

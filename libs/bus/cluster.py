@@ -24,6 +24,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from libs.bus.auth import AGENT, OPERATOR, RELAY, SERVICE
 from libs.bus.credentials import BusUsers, write_secret
 from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.names import NATS_PORT
 
 SERVICES = ("placer", "prober", "remediator", "monitor")
 CERT_DAYS = 825  # what browsers and most TLS stacks accept for a leaf
@@ -33,7 +34,7 @@ CERT_DAYS = 825  # what browsers and most TLS stacks accept for a leaf
 class ServerSpec:
     name: str
     host: str  # what clients and the other servers dial; also the certificate's name
-    client_port: int = 4222
+    client_port: int = NATS_PORT
     cluster_port: int = 6222
 
 

@@ -17,10 +17,11 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.names import NATS_URL
 
 log = logging.getLogger("nodus.bus")
 
-DEFAULT_URL = "nats://127.0.0.1:4222"
+DEFAULT_URL = NATS_URL
 
 
 def default_url() -> str:

@@ -183,7 +183,7 @@ class Client:
                 ErrorCode.NOT_FOUND, f"job {name} has ranks 0..{len(epoch.members) - 1}, not {rank}"
             )
         return await self.bus.request(
-            names.node_request(member.node, "logs"),
+            names.node_request(member.node, names.AgentVerb.LOGS),
             LogsRequest(gang=job.key, epoch=epoch.epoch, rank=rank, offset=offset),
             LogsReply,
         )
@@ -220,7 +220,7 @@ class Client:
     async def usage(self) -> dict[str, int]:
         """Bytes members sent through relays, per gang (`org.name`), from the usage stream."""
         totals: dict[str, int] = {}
-        for record in await self._replay(names.USAGE_STREAM, "nodus.usage.>", UsageRecord):
+        for record in await self._replay(names.USAGE_STREAM, names.USAGE_SUBJECTS[0], UsageRecord):
             totals[record.gang] = totals.get(record.gang, 0) + record.bytes_sent
         return totals
 

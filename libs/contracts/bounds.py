@@ -15,8 +15,23 @@ JOIN_KEY_TTL_SECONDS = 15 * 60.0  # G9
 # heartbeatTimeoutSeconds for nodes); a holder renews three times within it.
 HEARTBEAT_TIMEOUT_SECONDS = 15.0
 HEARTBEATS_PER_TIMEOUT = 3
+# Relayed members' tunnels: the most memory an agent gives one member's tunnel buffers unless
+# configured (a plan needing more is refused, C3); a stream's flow-control window, by default
+# and as clamped from the per-member buffer (so many streams fit in the limit); and what a
+# Direct member queues to the relays (its fallback) before it drops WireGuard datagrams.
+TUNNEL_BUFFER_LIMIT_BYTES = 64 << 20
+STREAM_WINDOW_BYTES = 4 << 20
+STREAM_WINDOW_MIN_BYTES = 256 << 10
+STREAM_WINDOW_MAX_BYTES = 8 << 20
+FALLBACK_QUEUE_BYTES = 4 << 20
 # What the scheduler assumes when comparing placements (G19), until measured numbers exist.
 RELATIVE_TO_DIRECT = {PathClass.PRIVATE: 1.0, PathClass.DIRECT: 1.0, PathClass.RELAYED: 0.25}
+
+
+def stream_window(bounds: Bounds) -> int:
+    """One tunnel stream's window: the derived per-member buffer, clamped."""
+    wanted = bounds.tunnel_buffer_bytes or STREAM_WINDOW_BYTES
+    return max(STREAM_WINDOW_MIN_BYTES, min(wanted, STREAM_WINDOW_MAX_BYTES))
 
 
 def derive(

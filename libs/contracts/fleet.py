@@ -9,9 +9,11 @@ from typing import Annotated, Literal
 import msgspec
 
 from libs.contracts.base import Name, Record
+from libs.contracts.bounds import TUNNEL_BUFFER_LIMIT_BYTES
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.files import load_yaml_file
 from libs.contracts.jobs import Backend
+from libs.contracts.names import SOCKS_ENDPOINT
 
 Offering = Literal["vm", "container"]
 
@@ -106,10 +108,10 @@ class NodeRecord(Record):
     registered_time: datetime
     boot_id: str = ""
     # Where the agent serves SOCKS5 to the shim of its ranks (G8 NODUS_NETSHIM_SOCKS).
-    socks_endpoint: str = "127.0.0.1:1080"
+    socks_endpoint: str = SOCKS_ENDPOINT
     # The most memory the agent gives one member's tunnel buffers; plans needing more are
     # refused (C3).
-    tunnel_buffer_limit_bytes: int = 64 << 20
+    tunnel_buffer_limit_bytes: int = TUNNEL_BUFFER_LIMIT_BYTES
     # The WireGuard its nodus0 runs; None: this agent makes no nodus0 (a container, no netns).
     wireguard: WireGuardInfo | None = None
 

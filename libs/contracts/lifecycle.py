@@ -48,7 +48,8 @@ class ProbeRecord(Record):
 
 
 class RankStatus(Record):
-    """KV `nodus-ranks`, key `org.name.epoch.rank`: written by the agent that runs the rank."""
+    """KV `nodus-ranks`, key `org.name.epoch.rank.node` (names.rank_key): written by the agent
+    that runs the rank, whose node ends the key so the bus lets it write only its own."""
 
     gang: str
     epoch: int

@@ -1,10 +1,22 @@
-"""Every NATS subject, stream and KV bucket name, in one place.
+"""Every NATS subject, stream, KV bucket name, agent request verb and default address, in one
+place (tests/unit/test_names.py fails when one is spelled elsewhere).
 
-Subjects name the node and the gang so NATS permissions can scope each agent to its own node
-and its own gang epoch (S1): `nodus.node.<node>.>` and `nodus.gang.<org>.<name>.<epoch>.>`.
+Subjects name the node so NATS permissions can scope each agent to its own node (S1):
+`nodus.node.<node>.req.<verb>`.
 """
 
 from __future__ import annotations
+
+from enum import StrEnum
+
+# Default addresses: the bus a process reaches when told nothing (one nats-server on this
+# host, NATS's own port), and the SOCKS5 endpoint a Relayed member's programs are sent to.
+NATS_PORT = 4222
+NATS_URL = f"nats://127.0.0.1:{NATS_PORT}"
+SOCKS_ENDPOINT = "127.0.0.1:1080"
+
+# Every subject Nodus publishes on starts with this (the services hold it whole, S1).
+SUBJECTS = "nodus.>"
 
 # Request/reply APIs (nats micro services; `$SRV.PING` etc. answer discovery).
 API_JOBS_APPLY = "nodus.api.jobs.apply"
@@ -12,7 +24,8 @@ API_JOBS_DELETE = "nodus.api.jobs.delete"
 
 # Event stream: job lifecycle events, the audit of what the placer did.
 EVENTS_STREAM = "NODUS_EVENTS"
-EVENTS_SUBJECTS = ["nodus.evt.>"]
+EVENTS_PREFIX = "nodus.evt."
+EVENTS_SUBJECTS = [f"{EVENTS_PREFIX}>"]
 
 # KV buckets.
 BUCKET_JOBS = "nodus-jobs"  # org.name -> Job
@@ -58,11 +71,17 @@ ALL_BUCKETS = [
 
 # Usage stream: bytes members sent through relays, de-duplicated by message id (G17).
 USAGE_STREAM = "NODUS_USAGE"
-USAGE_SUBJECTS = ["nodus.usage.>"]
+USAGE_PREFIX = "nodus.usage."
+USAGE_SUBJECTS = [f"{USAGE_PREFIX}>"]
 
 
 def usage_subject(relay: str, gang: str) -> str:
-    return f"nodus.usage.{relay}.{gang}"
+    return f"{USAGE_PREFIX}{relay}.{gang}"
+
+
+def relay_usage(relay: str) -> str:
+    """Every usage record one relay publishes: what its bus identity may publish (S1)."""
+    return f"{USAGE_PREFIX}{relay}.>"
 
 
 def member_key(gang: str, epoch: int, node: str) -> str:
@@ -79,13 +98,35 @@ def ice_key(gang: str, epoch: int, node: str, peer: str) -> str:
     return f"{gang}.{epoch}.{node}.{peer}"
 
 
-def node_request(node: str, verb: str) -> str:
+class AgentVerb(StrEnum):
+    """What an agent answers on `nodus.node.<node>.req.<verb>`."""
+
+    INFO = "info"  # NodeInfoRequest: inventory, version, liveness (the monitor's probe)
+    EPOCHS = "epochs"  # JoinedEpochsRequest: the epochs this agent runs
+    REBOOT = "reboot"  # RebootRequest: the lab machine's reboot (a remediation)
+    HOST_REBOOT = "host-reboot"  # the real host's reboot, in band (R18)
+    HEALTH = "health"  # HealthCheckRequest: a remediation's health check
+    DIAGNOSE = "diagnose"  # an on-demand diagnostic for revalidation (R15)
+    PROBE_SERVE = "probe-serve"  # serve one epoch's probe
+    PROBE_PAIR = "probe-pair"  # measure one pair of a probe round
+    SHIM_CHECK = "shim-check"  # the shim loads in this machine's image (Relayed)
+    LAUNCH = "launch"  # start this node's ranks of an epoch
+    LOGS = "logs"  # a rank's output
+    STOP = "stop"  # stop this node's ranks of an epoch
+
+
+def node_request(node: str, verb: AgentVerb) -> str:
     """Requests addressed to one node's agent; nobody answers for a node without an agent."""
-    return f"nodus.node.{node}.req.{verb}"
+    return f"{node_requests(node).removesuffix('>')}{verb.value}"
+
+
+def node_requests(node: str) -> str:
+    """Every request addressed to one node: what its agent may subscribe to (S1)."""
+    return f"nodus.node.{node}.req.>"
 
 
 def job_event(gang: str, kind: str) -> str:
-    return f"nodus.evt.job.{gang}.{kind}"
+    return f"{EVENTS_PREFIX}job.{gang}.{kind}"
 
 
 def epoch_key(gang: str, epoch: int) -> str:
@@ -168,8 +209,8 @@ def signal_key(node: str, source: str) -> str:
 
 def alert_event(node: str, kind: str) -> str:
     """Alert notifications on the events stream: the same Alert record as the CLI and API."""
-    return f"nodus.evt.alert.{node}.{kind}"
+    return f"{EVENTS_PREFIX}alert.{node}.{kind}"
 
 
 def remediation_event(node: str, state: str) -> str:
-    return f"nodus.evt.remediation.{node}.{state}"
+    return f"{EVENTS_PREFIX}remediation.{node}.{state}"

@@ -1,5 +1,6 @@
-"""SOCKS5 for the shim's traffic: a sans-I/O codec (`codec`) and a thin asyncio server
-(`server.serve(host, port, dial)`). `python -m libs.socks5` runs a standalone endpoint."""
+"""SOCKS5 for the shim's traffic: a sans-I/O codec (`codec`, exported here) and a thin asyncio
+server (`libs.socks5.server.serve(host, port, dial)`, imported from its module so the codec's
+users do not pull asyncio in). `python -m libs.socks5` runs a standalone endpoint."""
 
 from libs.socks5.codec import (
     AddressType,
@@ -16,41 +17,19 @@ from libs.socks5.codec import (
     parse_method_selection,
     parse_reply,
 )
-from libs.socks5.server import (
-    Dial,
-    SocksClosed,
-    SocksConnected,
-    SocksEvent,
-    SocksRefusal,
-    SocksRejected,
-    open_connection_dial,
-    reply_for_exception,
-    serve,
-    splice,
-)
 
 __all__ = [
     "AddressType",
     "Command",
     "ConnectRequest",
-    "Dial",
     "Rejected",
     "Reply",
     "ReplyCode",
     "ServerCodec",
-    "SocksClosed",
-    "SocksConnected",
     "SocksError",
-    "SocksEvent",
-    "SocksRefusal",
-    "SocksRejected",
     "State",
     "client_connect",
     "client_greeting",
-    "open_connection_dial",
     "parse_method_selection",
     "parse_reply",
-    "reply_for_exception",
-    "serve",
-    "splice",
 ]

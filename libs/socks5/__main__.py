@@ -18,6 +18,7 @@ from typing import IO
 
 import msgspec
 
+from libs.contracts.names import SOCKS_ENDPOINT
 from libs.socks5.server import SocksEvent, serve
 
 
@@ -26,7 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m libs.socks5", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
-        "--listen", default="127.0.0.1:1080", help="HOST:PORT, [V6]:PORT; port 0 = any"
+        "--listen", default=SOCKS_ENDPOINT, help="HOST:PORT, [V6]:PORT; port 0 = any"
     )
     parser.add_argument(
         "--events", help="append connection events here as JSON lines ('-': stdout)"

@@ -18,7 +18,8 @@ import struct
 from collections import deque
 from dataclasses import dataclass
 
-from libs.socks5 import ReplyCode
+from libs.contracts.bounds import STREAM_WINDOW_BYTES
+from libs.socks5.codec import ReplyCode
 
 HEADER = struct.Struct(">BIII")
 U32 = struct.Struct(">I")
@@ -89,7 +90,7 @@ class Link:
     def __init__(
         self,
         side: int,
-        window: int = 4 << 20,
+        window: int = STREAM_WINDOW_BYTES,
         max_payload: int = 60 * 1024,
         chunk: int = 60 * 1024 - HEADER.size,  # one DATA message fills a WireGuard payload
         rto: float = 2.0,

@@ -30,7 +30,11 @@ from libs.bus import Bus, Endpoint, EpochGuard
 from libs.contracts import names
 from libs.contracts.api import NodeInfoReply, NodeInfoRequest
 from libs.contracts.base import now
-from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS, HEARTBEATS_PER_TIMEOUT
+from libs.contracts.bounds import (
+    HEARTBEAT_TIMEOUT_SECONDS,
+    HEARTBEATS_PER_TIMEOUT,
+    TUNNEL_BUFFER_LIMIT_BYTES,
+)
 from libs.contracts.dataplane import DataplaneSpec, EpochState
 from libs.contracts.epochs import Epoch, EpochMember, JoinKeyGrant, JoinRedemption
 from libs.contracts.errors import ErrorCode, NodusError
@@ -113,7 +117,7 @@ class Agent:
         machine: Machine | Described,
         heartbeat_seconds: float = HEARTBEAT_TIMEOUT_SECONDS / HEARTBEATS_PER_TIMEOUT,
         socks_endpoint: str = "",
-        tunnel_buffer_limit_bytes: int = 64 << 20,
+        tunnel_buffer_limit_bytes: int = TUNNEL_BUFFER_LIMIT_BYTES,
         state_dir: Path | None = None,
         nodus0: bool = False,
         port_rules: bool = False,
@@ -145,7 +149,7 @@ class Agent:
         # The kernel's boot on a real machine; a lab machine's own, kept in its state directory
         # (O4): an agent started again on the same boot re-adopts what it left running.
         self.boot = machine_boot(isinstance(machine, Machine), state_dir)
-        self.socks_endpoint = socks_endpoint or "127.0.0.1:1080"
+        self.socks_endpoint = socks_endpoint or names.SOCKS_ENDPOINT
         self.tunnel_buffer_limit_bytes = tunnel_buffer_limit_bytes
         self.nodes = bus.bucket(names.BUCKET_NODES, NodeRecord)
         self.health = bus.bucket(names.BUCKET_HEALTH, NodeHealth)
@@ -252,32 +256,26 @@ class Agent:
         )
 
     async def start(self) -> None:
+        verb, node = names.AgentVerb, self.node
         await self.bus.serve(
             "nodus-agent",
             AGENT_VERSION,
             f"Agent of machine {self.node}",
             [
-                Endpoint("info", names.node_request(self.node, "info"), NodeInfoRequest, self.info),
-                Endpoint(
-                    "epochs",
-                    names.node_request(self.node, "epochs"),
-                    JoinedEpochsRequest,
-                    self.epochs_joined,
-                ),
+                Endpoint.of_agent(node, verb.INFO, NodeInfoRequest, self.info),
+                Endpoint.of_agent(node, verb.EPOCHS, JoinedEpochsRequest, self.epochs_joined),
                 *self.gangs.endpoints(),
-                Endpoint(
-                    "reboot", names.node_request(self.node, "reboot"), RebootRequest, self.reboot
-                ),
+                Endpoint.of_agent(node, verb.REBOOT, RebootRequest, self.reboot),
                 # R18: the remediator's in-band reboot and revalidation on this machine
-                Endpoint(
-                    "host-reboot",
-                    names.node_request(self.node, "host-reboot"),
+                Endpoint.of_agent(
+                    node,
+                    verb.HOST_REBOOT,
                     HostRebootRequest,
                     lambda request: self.hostpower.reboot(request, self.boot_id),
                 ),
-                Endpoint(
-                    "health",
-                    names.node_request(self.node, "health"),
+                Endpoint.of_agent(
+                    node,
+                    verb.HEALTH,
                     HealthCheckRequest,
                     lambda request: self.health_check.check(request, self.boot_id),
                 ),

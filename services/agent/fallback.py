@@ -21,6 +21,7 @@ from typing import cast
 
 from prometheus_client import Counter
 
+from libs.contracts.bounds import FALLBACK_QUEUE_BYTES
 from libs.relayproto.client import RelayClient
 from libs.runtime.tasks import TaskSet
 
@@ -36,7 +37,7 @@ FALLBACK_DROPS = Counter(
     "WireGuard datagrams for the relays dropped (no relay up, or its queue full)",
     ["node"],
 )
-QUEUE_LIMIT = 4 << 20  # bytes queued to the relay before datagrams are dropped
+QUEUE_LIMIT = FALLBACK_QUEUE_BYTES  # queued to the relay before datagrams are dropped
 
 
 @dataclass

@@ -77,20 +77,19 @@ class GangWork:
         self.path_of = path_of  # the path to a peer now: direct | derp:<region>
 
     def endpoints(self) -> list[Endpoint]:  # type: ignore[type-arg]
-        def verb(name: str) -> str:
-            return names.node_request(self.node, name)
+        verb, node = names.AgentVerb, self.node
 
         return [
-            Endpoint("probe-serve", verb("probe-serve"), ProbeServeRequest, self.probe_serve),
-            Endpoint(
-                "probe-pair", verb("probe-pair"), ProbePairRequest, self.probe_pair, concurrency=8
+            Endpoint.of_agent(node, verb.PROBE_SERVE, ProbeServeRequest, self.probe_serve),
+            Endpoint.of_agent(
+                node, verb.PROBE_PAIR, ProbePairRequest, self.probe_pair, concurrency=8
             ),
-            Endpoint(
-                "shim-check", verb("shim-check"), ShimCheckRequest, self.shim_check, concurrency=4
+            Endpoint.of_agent(
+                node, verb.SHIM_CHECK, ShimCheckRequest, self.shim_check, concurrency=4
             ),
-            Endpoint("launch", verb("launch"), LaunchRequest, self.launch),
-            Endpoint("logs", verb("logs"), LogsRequest, self.logs),
-            Endpoint("stop", verb("stop"), StopRequest, self.stop),
+            Endpoint.of_agent(node, verb.LAUNCH, LaunchRequest, self.launch),
+            Endpoint.of_agent(node, verb.LOGS, LogsRequest, self.logs),
+            Endpoint.of_agent(node, verb.STOP, StopRequest, self.stop),
         ]
 
     async def _member(self, gang: str, epoch: int) -> tuple[Epoch, EpochMember]:

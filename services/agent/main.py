@@ -10,7 +10,12 @@ from pathlib import Path
 
 from libs.bus import Bus
 from libs.bus.auth import AGENT_BUCKETS, agent_inbox
-from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS, HEARTBEATS_PER_TIMEOUT
+from libs.contracts import names
+from libs.contracts.bounds import (
+    HEARTBEAT_TIMEOUT_SECONDS,
+    HEARTBEATS_PER_TIMEOUT,
+    TUNNEL_BUFFER_LIMIT_BYTES,
+)
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import Machine, load_fleet
 from libs.discovery.gpus import DiscoveryError
@@ -88,13 +93,13 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--socks-listen",
-        default="127.0.0.1:1080",
+        default=names.SOCKS_ENDPOINT,
         help="where this agent serves SOCKS5 to the shim",
     )
     parser.add_argument(
         "--tunnel-buffer-mib",
         type=int,
-        default=64,
+        default=TUNNEL_BUFFER_LIMIT_BYTES >> 20,
         help="memory one Relayed member's tunnel may buffer; plans needing more are refused (C3)",
     )
     parser.add_argument(

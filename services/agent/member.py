@@ -10,6 +10,7 @@ from datetime import timedelta
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
+from libs.contracts.bounds import stream_window
 from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.relay import Member, RelayRecord
@@ -72,8 +73,7 @@ class RelayedMember:
         relays = await pick_relays(self.bus)
         device = WgDevice(self.wg_private)
         bounds = self.epoch.bounds
-        # Per stream: the derived per-member buffer (C3), at most 8 MiB so many streams fit.
-        window = max(256 * 1024, min(bounds.tunnel_buffer_bytes or (4 << 20), 8 << 20))
+        window = stream_window(bounds)  # the derived per-member buffer (C3), clamped
         self.tunnel = Tunnel(
             self.member.node,
             self.epoch.gang,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge
 
+from libs.contracts.bounds import STREAM_WINDOW_BYTES
 from libs.relayproto.client import RelayClient
 from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.socks5 import ReplyCode
@@ -114,7 +115,7 @@ class Tunnel:
         address: str,
         device: WgDevice,
         relays: list[tuple[str, str]],
-        window: int = 4 << 20,
+        window: int = STREAM_WINDOW_BYTES,
     ) -> None:
         self.node, self.gang, self.epoch, self.address = node, gang, epoch, address
         self.device = device

@@ -10,8 +10,6 @@ from libs.contracts.jobs import Job, PathClass
 from libs.netshim import shim_env
 from services.placer.planner import Plan
 
-# The path fixes these; every other NCCL_* the user sets wins (G8).
-PATH_FIXED_NCCL = ("NCCL_NET", "NCCL_SOCKET_IFNAME", "NCCL_SOCKET_FAMILY", "NCCL_IB_DISABLE")
 OTHER_BACKEND_VAR = {"cuda": "HIP_VISIBLE_DEVICES", "rocm": "CUDA_VISIBLE_DEVICES"}
 
 
@@ -93,6 +91,7 @@ def rank_environments(
                 "RANK": str(member.rank),
                 "WORLD_SIZE": str(world),
                 "NODUS_NODE_IPS": ",".join(addresses),
+                # The path fixes these four NCCL_*; every other one the user sets wins (G8).
                 "NCCL_SOCKET_IFNAME": member.interface,
                 "GLOO_SOCKET_IFNAME": member.interface,
                 "NCCL_NET": "Socket",

@@ -18,7 +18,6 @@ from libs.contracts.fleet import Inventory, NodeRecord
 from libs.contracts.jobs import Job, PathClass
 from libs.contracts.placer import PlacerConfig
 
-PATH_ORDER = (PathClass.PRIVATE, PathClass.DIRECT, PathClass.RELAYED)
 MESH_NETWORK = ipaddress.IPv4Network("100.64.0.0/10")
 
 

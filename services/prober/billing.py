@@ -33,13 +33,12 @@ SWEEP_SECONDS = 5.0
 # At start, finished jobs this recent are checked once (a record may have come while no
 # prober ran); older bills stand unless a new record for them arrives.
 RECENT_AT_START = timedelta(minutes=30)
-USAGE_PREFIX = "nodus.usage."
 
 
 async def relay_bytes(bus: Bus, gang: str) -> int:
     """Every byte the relays metered for the gang, each record of the stream read."""
     total = 0
-    for msg in await bus.replay(names.USAGE_STREAM, f"{USAGE_PREFIX}*.{gang}"):
+    for msg in await bus.replay(names.USAGE_STREAM, names.usage_subject("*", gang)):
         try:
             total += msgspec.json.decode(msg.data, type=UsageRecord).bytes_sent
         except msgspec.ValidationError:
@@ -49,7 +48,7 @@ async def relay_bytes(bus: Bus, gang: str) -> int:
 
 def gang_of(subject: str) -> str:
     """`nodus.usage.<relay>.<org>.<name>` -> `org.name`."""
-    return subject.removeprefix(USAGE_PREFIX).split(".", 1)[1]
+    return subject.removeprefix(names.USAGE_PREFIX).split(".", 1)[1]
 
 
 class LateUsage:
@@ -76,7 +75,7 @@ class LateUsage:
         )
         counts: dict[str, int] = {}
         for subject, count in (info.state.subjects or {}).items():
-            if subject.startswith(USAGE_PREFIX) and subject.count(".") >= 4:
+            if subject.startswith(names.USAGE_PREFIX) and subject.count(".") >= 4:
                 gang = gang_of(subject)
                 counts[gang] = counts.get(gang, 0) + count
         return counts

@@ -46,7 +46,7 @@ PLATFORM_GRACE_SECONDS = 5.0
 
 log = logging.getLogger("nodus.prober")
 
-USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (1 s) plus delivery
+USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (0.1 s) plus delivery
 
 RUNS = Counter("nodus_prober_runs_total", "Gang runs by outcome", ["outcome"])
 
@@ -83,7 +83,7 @@ class GangRun:
         launches = await asyncio.gather(
             *(
                 self.bus.request(
-                    names.node_request(m.node, "launch"),
+                    names.node_request(m.node, names.AgentVerb.LAUNCH),
                     LaunchRequest(gang=gang, epoch=epoch, rank=m.rank, command=command),
                     LaunchReply,
                     30,
@@ -268,7 +268,7 @@ class GangRun:
     ) -> None:
         """The end at `t` (when the ranks ended, even if no prober was up then), billed once:
         the compare-and-set from Running lets one writer conclude."""
-        # Relays publish what members sent once a second: wait for the last flush of the run.
+        # Relays publish what members sent every 0.1 s: wait for the last flush of the run.
         stored = await self.epochs.get(names.epoch_key(gang, epoch))
         relay_bytes = 0
         # G17: Relayed traffic is billed; a Direct pair's fallback through the relays is not.
@@ -304,7 +304,7 @@ class GangRun:
                 for member in stored.value.members if stored else []:
                     try:
                         await self.bus.request(
-                            names.node_request(member.node, "stop"),
+                            names.node_request(member.node, names.AgentVerb.STOP),
                             StopRequest(gang=gang, epoch=epoch),
                             LaunchReply,
                             15,

@@ -309,7 +309,7 @@ class Prober:
         replies = await asyncio.gather(
             *(
                 self.bus.request(
-                    names.node_request(n, "shim-check"),
+                    names.node_request(n, names.AgentVerb.SHIM_CHECK),
                     ShimCheckRequest(gang=gang, epoch=epoch, launcher=launcher),
                     ShimCheckReply,
                     timeout=60,
@@ -332,7 +332,9 @@ class Prober:
         ends: dict[str, ProbeServeReply] = {}
         for node in (b, a):
             try:
-                ends[node] = await self._request(node, "probe-serve", serve, ProbeServeReply)
+                ends[node] = await self._request(
+                    node, names.AgentVerb.PROBE_SERVE, serve, ProbeServeReply
+                )
             except NodusError as error:
                 return PairResult(
                     a=a,
@@ -355,7 +357,9 @@ class Prober:
                 readiness_seconds=self.readiness_seconds,
                 measure=measure,
             )
-            return await self._request(node, "probe-pair", request, PairResult, timeout)
+            return await self._request(
+                node, names.AgentVerb.PROBE_PAIR, request, PairResult, timeout
+            )
 
         forward, reverse = await asyncio.gather(
             probe(a, b, True), probe(b, a, False), return_exceptions=True
@@ -373,7 +377,12 @@ class Prober:
         )
 
     async def _request(
-        self, node: str, verb: str, body: msgspec.Struct, reply: type[R], timeout: float = 10.0
+        self,
+        node: str,
+        verb: names.AgentVerb,
+        body: msgspec.Struct,
+        reply: type[R],
+        timeout: float = 10.0,
     ) -> R:
         return await self.bus.request(names.node_request(node, verb), body, reply, timeout)
 

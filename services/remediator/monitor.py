@@ -95,7 +95,9 @@ class Monitor:
         self._source_locks = {key: asyncio.Lock() for key in self._readers}
         self._overrunning: set[tuple[str, str]] = set()
         self.probes = {
-            node: Reachability(node, f"{names.node_request(node, 'info')}", unreachable_after)
+            node: Reachability(
+                node, names.node_request(node, names.AgentVerb.INFO), unreachable_after
+            )
             for node in machines
         }
         self.signals = bus.bucket(names.BUCKET_SIGNALS, SignalReport)
@@ -253,7 +255,7 @@ class Monitor:
             return
         try:
             await self.bus.request(
-                names.node_request(node, "info"),
+                names.node_request(node, names.AgentVerb.INFO),
                 NodeInfoRequest(),
                 NodeInfoReply,
                 timeout=self.probe_timeout,

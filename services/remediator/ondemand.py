@@ -14,7 +14,6 @@ from libs.contracts import names
 from libs.contracts.base import now as utc_now
 from libs.contracts.providers import HealthCheckReply, HealthCheckRequest
 from services.remediator.detectors.machine import SOURCES, MachinePaths, diagnose
-from services.remediator.providers.revalidation import DIAGNOSE
 
 DIAGNOSE_SECONDS = 20.0  # the remediator waits 30 s for the answer
 
@@ -45,7 +44,7 @@ class Diagnostics:
         return [
             Endpoint(
                 f"diagnose-{node}",
-                names.node_request(node, DIAGNOSE),
+                names.node_request(node, names.AgentVerb.DIAGNOSE),
                 HealthCheckRequest,
                 handler(node),
             )

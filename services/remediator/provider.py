@@ -165,7 +165,7 @@ class LocalProvider:
 
     async def _boot(self, node: str, op_id: str, power_cycle: bool) -> None:
         await self.bus.request(
-            names.node_request(node, "reboot"),
+            names.node_request(node, names.AgentVerb.REBOOT),
             RebootRequest(op_id=op_id, power_cycle=power_cycle),
             RebootReply,
             timeout=self.agent_timeout,
@@ -215,7 +215,7 @@ class LocalProvider:
         found = [f"{f.kind.value} {f.subject}: {f.detail}" for f in failures]
         try:  # the agent's own checks, on the machine (the lab's agent shares this host)
             reply = await self.bus.request(
-                names.node_request(node, "health"),
+                names.node_request(node, names.AgentVerb.HEALTH),
                 HealthCheckRequest(),
                 HealthCheckReply,
                 timeout=self.agent_timeout,

@@ -75,7 +75,9 @@ async def _round(
         async for _change in health.watch(NODE):
             break
         watch_ms = (time.perf_counter() - t0) * 1000
-        subject = names.node_request(NODE, "bench")
+        subject = names.node_request(
+            NODE, names.AgentVerb.INFO
+        )  # echoed by the bench, not an agent
 
         async def echo(msg: Any) -> None:
             await msg.respond(msg.data)

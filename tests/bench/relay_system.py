@@ -212,7 +212,7 @@ class Bench:
     async def joined(self, node: str) -> str | None:
         assert self.client is not None
         reply = await self.client.bus.request(
-            names.node_request(node, "epochs"),
+            names.node_request(node, names.AgentVerb.EPOCHS),
             JoinedEpochsRequest(),
             JoinedEpochsReply,
             timeout=2.0,

@@ -97,7 +97,9 @@ class Lab:
     def joined(self, node: str) -> JoinedEpochsReply:
         async def ask(client: Client) -> JoinedEpochsReply:
             return await client.bus.request(
-                names.node_request(node, "epochs"), JoinedEpochsRequest(), JoinedEpochsReply
+                names.node_request(node, names.AgentVerb.EPOCHS),
+                JoinedEpochsRequest(),
+                JoinedEpochsReply,
             )
 
         return self.run(ask)
@@ -285,7 +287,7 @@ async def start_lab(
         for member in lab.members:
             for _ in range(300):
                 reply = await client.bus.request(
-                    names.node_request(member.node, "epochs"),
+                    names.node_request(member.node, names.AgentVerb.EPOCHS),
                     JoinedEpochsRequest(),
                     JoinedEpochsReply,
                 )

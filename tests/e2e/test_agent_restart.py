@@ -116,7 +116,7 @@ def rejoined(system: LocalSystem, node: str, gang: str, epoch: int, limit: float
         while True:
             try:
                 reply = await client.bus.request(
-                    names.node_request(node, "epochs"),
+                    names.node_request(node, names.AgentVerb.EPOCHS),
                     JoinedEpochsRequest(),
                     JoinedEpochsReply,
                     timeout=1.0,

@@ -489,12 +489,18 @@ async def _lose_a_member_during_the_run(
 
     # The survivor is on epoch 2 only; messages and keys stamped with epoch 1 are refused.
     joined = await bus.request(
-        names.node_request(survivor, "epochs"), JoinedEpochsRequest(), JoinedEpochsReply
+        names.node_request(survivor, names.AgentVerb.EPOCHS),
+        JoinedEpochsRequest(),
+        JoinedEpochsReply,
     )
     assert [(e.gang, e.epoch) for e in joined.epochs] == [(gang, 2)]
     for verb, body, kind in (
-        ("probe-serve", ProbeServeRequest(gang=gang, epoch=1), ProbeServeReply),
-        ("launch", LaunchRequest(gang=gang, epoch=1, rank=1, command=["true"]), LaunchReply),
+        (names.AgentVerb.PROBE_SERVE, ProbeServeRequest(gang=gang, epoch=1), ProbeServeReply),
+        (
+            names.AgentVerb.LAUNCH,
+            LaunchRequest(gang=gang, epoch=1, rank=1, command=["true"]),
+            LaunchReply,
+        ),
     ):
         with pytest.raises(NodusError) as refused:
             await bus.request(names.node_request(survivor, verb), body, kind)
@@ -516,7 +522,9 @@ async def _lose_a_member_during_the_run(
     message = json.loads(refusals[-1])["msg"]
     assert "StaleEpoch" in message and "this node is on epoch 2" in message, message
     joined = await bus.request(
-        names.node_request(survivor, "epochs"), JoinedEpochsRequest(), JoinedEpochsReply
+        names.node_request(survivor, names.AgentVerb.EPOCHS),
+        JoinedEpochsRequest(),
+        JoinedEpochsReply,
     )
     assert [(e.gang, e.epoch) for e in joined.epochs] == [(gang, 2)]
 

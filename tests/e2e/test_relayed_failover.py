@@ -71,7 +71,7 @@ FLEET = {
 
 async def joined(client: Client, node: str) -> JoinedEpochsReply:
     return await client.bus.request(
-        names.node_request(node, "epochs"), JoinedEpochsRequest(), JoinedEpochsReply
+        names.node_request(node, names.AgentVerb.EPOCHS), JoinedEpochsRequest(), JoinedEpochsReply
     )
 
 

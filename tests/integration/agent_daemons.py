@@ -183,7 +183,10 @@ async def place_relayed_gang(bus: Bus, daemons: list[AgentDaemon], name: str = "
 async def joined(bus: Bus, node: str) -> list[JoinedEpoch]:
     try:
         reply = await bus.request(
-            names.node_request(node, "epochs"), JoinedEpochsRequest(), JoinedEpochsReply, timeout=2
+            names.node_request(node, names.AgentVerb.EPOCHS),
+            JoinedEpochsRequest(),
+            JoinedEpochsReply,
+            timeout=2,
         )
     except Exception:  # the agent is down or starting
         return []

@@ -71,13 +71,15 @@ async def test_requests_reach_the_named_node_and_a_missing_agent_is_an_error(
     bus: Bus, agents: list[Agent]
 ) -> None:
     reply = await bus.request(
-        names.node_request("vast-a", "info"), NodeInfoRequest(), NodeInfoReply
+        names.node_request("vast-a", names.AgentVerb.INFO), NodeInfoRequest(), NodeInfoReply
     )
     assert reply.node.inventory.node == "vast-a"
     await agents[1].stop()
     with pytest.raises(NodusError) as missing:
         await bus.request(
-            names.node_request("no-such-node", "info"), NodeInfoRequest(), NodeInfoReply
+            names.node_request("no-such-node", names.AgentVerb.INFO),
+            NodeInfoRequest(),
+            NodeInfoReply,
         )
     assert missing.value.code is ErrorCode.NO_RESPONDERS
 
@@ -93,7 +95,9 @@ async def test_agents_join_their_epoch_once(
     async def joined_both() -> bool:
         replies = [
             await bus.request(
-                names.node_request(n, "epochs"), JoinedEpochsRequest(), JoinedEpochsReply
+                names.node_request(n, names.AgentVerb.EPOCHS),
+                JoinedEpochsRequest(),
+                JoinedEpochsReply,
             )
             for n in ("aws-a", "vast-a")
         ]
@@ -118,7 +122,9 @@ async def test_agents_join_their_epoch_once(
 
     async def left() -> bool:
         reply = await bus.request(
-            names.node_request("aws-a", "epochs"), JoinedEpochsRequest(), JoinedEpochsReply
+            names.node_request("aws-a", names.AgentVerb.EPOCHS),
+            JoinedEpochsRequest(),
+            JoinedEpochsReply,
         )
         return not reply.epochs
 

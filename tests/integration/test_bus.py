@@ -42,7 +42,7 @@ async def test_a_bus_that_is_down_is_a_clear_error() -> None:
 async def test_a_request_to_a_node_without_agent_is_an_error_to_the_sender(bus: Bus) -> None:
     with pytest.raises(NodusError) as refused:
         await bus.request(
-            names.node_request("ghost-node", "info"), NodeInfoRequest(), NodeInfoReply
+            names.node_request("ghost-node", names.AgentVerb.INFO), NodeInfoRequest(), NodeInfoReply
         )
     assert refused.value.code is ErrorCode.NO_RESPONDERS
     assert "nodus.node.ghost-node.req.info" in refused.value.message

@@ -238,7 +238,9 @@ async def test_an_agent_answers_health_and_host_reboot_for_its_own_node_only(
     try:
         await agent.start()
         reply = await bus.request(
-            names.node_request("node-a", "health"), HealthCheckRequest(), HealthCheckReply
+            names.node_request("node-a", names.AgentVerb.HEALTH),
+            HealthCheckRequest(),
+            HealthCheckReply,
         )
         assert reply.healthy and reply.node == "node-a" and reply.boot_id == agent.boot_id
     finally:

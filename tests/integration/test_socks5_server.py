@@ -11,20 +11,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from libs.socks5 import (
-    ReplyCode,
+from libs.socks5 import ReplyCode, client_connect, client_greeting, parse_reply
+from libs.socks5.server import (
+    Dial,
     SocksClosed,
     SocksConnected,
     SocksEvent,
     SocksRefusal,
     SocksRejected,
-    client_connect,
-    client_greeting,
+    Streams,
     open_connection_dial,
-    parse_reply,
     serve,
 )
-from libs.socks5.server import Dial, Streams
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,13 +16,12 @@ from libs.socks5 import (
     ReplyCode,
     ServerCodec,
     SocksError,
-    SocksRefusal,
     State,
     client_connect,
     client_greeting,
     parse_reply,
-    reply_for_exception,
 )
+from libs.socks5.server import SocksRefusal, reply_for_exception
 
 VALID_METHOD_REPLIES = {b"", b"\x05\x00", b"\x05\xff", b"\x05\x00" + b"", b"\x00\x5b" + bytes(6)}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import deque
 from datetime import datetime, timedelta
 
+from libs.contracts import names
 from libs.contracts.remediation import MAX_EVIDENCE_LINES, AlertKind, Evidence, Finding
 
 
@@ -69,7 +70,7 @@ def heartbeat(
                 kind=AlertKind.NODE_NOT_READY,
                 source="heartbeat",
                 node=node,
-                where="nodus-health",
+                where=names.BUCKET_HEALTH,
                 observed_time=now,
                 severity="info",
                 lines=[f"last heartbeat {age}"],

@@ -19,8 +19,6 @@ from services.remediator.providers.ops import Ledger
 # The agent is not there (yet, or booting): try again on the next tick, up to the timeout.
 TRANSIENT = (ErrorCode.NO_RESPONDERS, ErrorCode.TIMEOUT)
 
-HOST_REBOOT = "host-reboot"
-
 
 class InbandProvider:
     def __init__(self, bus: Bus, ledger: Ledger, settings: InbandSettings | None = None) -> None:
@@ -38,7 +36,7 @@ class InbandProvider:
             return None
         try:
             reply = await self.bus.request(
-                names.node_request(node, HOST_REBOOT),
+                names.node_request(node, names.AgentVerb.HOST_REBOOT),
                 HostRebootRequest(op_id=op_id),
                 HostRebootReply,
                 timeout=self.settings.timeout_seconds,

@@ -11,14 +11,12 @@ from libs.contracts.errors import NodusError
 from libs.contracts.providers import HealthCheckReply, HealthCheckRequest
 
 # Who answers each request: the agent for `health`, the machine's monitor for `diagnose`.
-HEALTH = "health"
-DIAGNOSE = "diagnose"
 
 
 async def on_machine(bus: Bus, node: str, op_id: str = "", timeout: float = 30.0) -> list[str]:
     """The failures; empty when the machine's monitor and agent both say it is healthy."""
     failures: list[str] = []
-    for verb, who in ((DIAGNOSE, "monitor"), (HEALTH, "agent")):
+    for verb, who in ((names.AgentVerb.DIAGNOSE, "monitor"), (names.AgentVerb.HEALTH, "agent")):
         try:
             reply = await bus.request(
                 names.node_request(node, verb),
