@@ -32,7 +32,6 @@ from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.jobs import (
     FINISHED_PHASES,
-    ConditionType,
     Estimate,
     GangMember,
     GangStatus,
@@ -41,11 +40,11 @@ from libs.contracts.jobs import (
     JobStatus,
     PathClass,
     Phase,
-    with_condition,
 )
 from libs.contracts.placer import PlacerConfig
 from libs.contracts.qualify import Qualification
-from libs.gangs import without_members
+from libs.jobs import lifecycle
+from libs.jobs.store import advance
 from libs.mesh import MeshIdentity
 from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.runtime.version import VERSION
@@ -67,7 +66,6 @@ PLACE_SECONDS = Histogram(
 FREE_NODES = Gauge("nodus_placer_free_nodes", "Live, healthy machines no gang holds")
 WAITING_JOBS = Gauge("nodus_placer_waiting_jobs", "Admitted jobs waiting for capacity")
 
-ACTIVE = {Phase.PLACED, Phase.PROBING, Phase.RUNNING}
 STALE_SWEEP_TICKS = 15  # seconds between stale-lease sweeps
 STALE_LEASE_SECONDS = 30.0  # a commit never takes this long; older orphans are freed
 
@@ -165,20 +163,12 @@ class Placer:
                 )
             ADMISSIONS.labels("unchanged").inc()
             return ApplyReply(job=existing.value, created=False)
-        t = now()
-        status = with_condition(
-            JobStatus(created_time=t, placed_by=self.replica),
-            ConditionType.ADMITTED,
-            "True",
-            "Admitted",
-            "admitted; waiting for placement",
-            t,
-        )
-        job = msgspec.structs.replace(spec_only, status=status)
+        step = lifecycle.admitted(now(), self.replica)
+        job = msgspec.structs.replace(spec_only, status=step.status)
         if await self.jobs.create(job.key, job) is None:
             raise NodusError(ErrorCode.ALREADY_EXISTS, f"job {job.key} was created concurrently")
         ADMISSIONS.labels("admitted").inc()
-        await self._event(job, "admitted", 0, "admitted")
+        self._step_event(job, step)
         self._enqueue(job.key)
         return ApplyReply(job=job, created=True)
 
@@ -213,7 +203,7 @@ class Placer:
                 await self._teardown(job.key, job.status.epoch)
             if await self.jobs.delete(key, current.revision):
                 self._waiting.discard(key)
-                await self._event(job, "deleted", job.status.epoch, "deleted by request")
+                self._event(job, "deleted", job.status.epoch, "deleted by request")
                 return DeleteReply(deleted=True)
         raise NodusError(ErrorCode.CONFLICT, f"job {key} kept changing while being deleted; retry")
 
@@ -257,7 +247,7 @@ class Placer:
         """Another replica's Pending job is taken over once it has waited `takeover_seconds`."""
         async for change in self.jobs.watch():
             job = change.value
-            if job is not None and job.status.phase in ACTIVE and job.status.gang:
+            if job is not None and job.status.phase in lifecycle.ACTIVE and job.status.gang:
                 self._active[change.key] = (
                     job.status.epoch,
                     [m.node for m in job.status.gang.members],
@@ -350,18 +340,13 @@ class Placer:
             message = f"{'; '.join(reasons)}; epoch {epoch} ends"
 
             def replace(
-                job: Job | None, epoch: int = epoch, lost: list[str] = lost, message: str = message
-            ) -> Job | None:
-                if job is None or job.status.epoch != epoch or job.status.phase not in ACTIVE:
-                    return None
-                status = without_members(job.status, lost, "MemberLost", message, t)
-                return msgspec.structs.replace(job, status=status)
+                status: JobStatus, lost: list[str] = lost, message: str = message
+            ) -> lifecycle.Step:
+                return lifecycle.members_lost(status, lost, lifecycle.MEMBER_LOST, message, t)
 
             self._active.pop(key, None)
-            changed = await self.jobs.mutate(key, replace)
-            if changed is not None:
+            if await advance(self.bus, key, epoch, lifecycle.MEMBERS_LOST, replace):
                 log.warning("%s: %s", key, message)
-                await self._event(changed.value, "MemberLost", epoch, message)
 
     async def release_stale_leases(self, grace_seconds: float = STALE_LEASE_SECONDS) -> int:
         """Reconcile leases with epochs and jobs: a lease whose epoch was never persisted (a
@@ -550,7 +535,10 @@ class Placer:
     ) -> None:
         """The job says Placed, unless it changed meanwhile: then the epoch is undone."""
         gang, epoch = record.gang, record.epoch
-        status = self._placed_status(current.value.status, plan, epoch, record.created_time)
+        step = lifecycle.placed(
+            current.value.status, epoch, self._gang_status(plan), self.replica, record.created_time
+        )
+        status = step.status
         placed = msgspec.structs.replace(current.value, status=status)
         ranktable = self._ranktable(placed, record)
         # C2: every part of the plan names one generation, checked before the job says Placed.
@@ -569,9 +557,7 @@ class Placer:
             await self._teardown(gang, epoch)
             raise _Retry
         await self.ranktables.put(gang, ranktable)
-        await self._event(
-            placed, "placed", epoch, f"placed on {', '.join(plan.nodes)} ({plan.path.value})"
-        )
+        self._step_event(placed, step)
 
     async def _acquire_leases(self, nodes: list[str], lease: Lease, t: datetime) -> dict[str, int]:
         for node in nodes:  # reserved in the view before any await: our other commits skip them
@@ -664,31 +650,15 @@ class Placer:
 
     # -- records -------------------------------------------------------------------------------
 
-    def _placed_status(self, status: JobStatus, plan: Plan, epoch: int, t: datetime) -> JobStatus:
+    def _gang_status(self, plan: Plan) -> GangStatus:
         factor = RELATIVE_TO_DIRECT[plan.path]
-        gang = GangStatus(
+        return GangStatus(
             transport=plan.path,
             members=[GangMember(rank=m.rank, node=m.node, address=m.address) for m in plan.members],
             estimate=Estimate(
                 relative_to_direct=factor,
                 warning=RELAYED_WARNING if plan.path is PathClass.RELAYED else None,
             ),
-        )
-        status = msgspec.structs.replace(
-            status,
-            phase=Phase.PLACED,
-            epoch=epoch,
-            gang=gang,
-            placed_time=t,
-            placed_by=self.replica,
-        )
-        return with_condition(
-            status,
-            ConditionType.GANG_READY,
-            "True",
-            "Placed",
-            f"epoch {epoch} placed on the {plan.path.value} path",
-            t,
         )
 
     def _epoch_record(
@@ -762,23 +732,18 @@ class Placer:
         message: str,
     ) -> None:
         """Record why the gang is not ready; skipped when it already says so."""
-        existing = current.value.condition(ConditionType.GANG_READY)
-        said = (existing.status, existing.reason, existing.message) if existing else None
-        if said == (state, reason, message):
+        step = lifecycle.not_ready(current.value.status, state, reason, message, now())
+        if step.event is None:
             return
-        status = with_condition(
-            current.value.status,
-            ConditionType.GANG_READY,
-            state,
-            reason,
-            message,
-            now(),
-        )
-        job = msgspec.structs.replace(current.value, status=status)
+        job = msgspec.structs.replace(current.value, status=step.status)
         await self.jobs.update(current.key, job, current.revision)
-        await self._event(job, reason, job.status.epoch, message)
+        self._step_event(job, step)
 
-    async def _event(self, job: Job, kind: str, epoch: int, message: str) -> None:
+    def _step_event(self, job: Job, step: lifecycle.Step) -> None:
+        if step.event is not None:
+            self._event(job, step.event, job.status.epoch, step.message)
+
+    def _event(self, job: Job, kind: str, epoch: int, message: str) -> None:
         """Publish a job event in the background: the KV record is the truth, and nobody waits
         on the event's acknowledgement (a lost event is logged)."""
         event = JobEvent(gang=job.key, kind=kind, epoch=epoch, message=message, time=now())

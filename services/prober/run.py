@@ -1,40 +1,36 @@
 """The gang's run (G17): once the probe qualified an epoch, its ranks are launched; every rank
 exit is checked, and the job concludes Succeeded or Failed and is billed boot time, run time
 and relay bytes (Relayed only). While it runs, the Direct members' paths (`nodus-paths`) set
-`NetworkDegraded` (G13): True, naming the pairs, while some pair goes through the relays. Every step is a compare-and-set on the job (`update_job`), so replicas that
+`NetworkDegraded` (G13): True, naming the pairs, while some pair goes through the relays. Every step is a transition of the job (libs.jobs) written by compare-and-set, so replicas that
 race (or a prober that comes back after a rank exited) conclude and bill it once."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from datetime import datetime
 from typing import Literal
 
-import msgspec
 from nats.errors import Error as NatsError
 from prometheus_client import Counter
 
 from libs.bus import Bus
-from libs.bus.kv import Bucket
 from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.epochs import Epoch
 from libs.contracts.errors import NodusError
 from libs.contracts.jobs import (
-    Billing,
-    ConditionType,
     Job,
     JobStatus,
     PathClass,
     Phase,
-    with_condition,
 )
 from libs.contracts.lifecycle import LaunchReply, LaunchRequest, RankStatus, StopRequest
 from libs.contracts.relay import MemberPaths
 from libs.contracts.remediation import Alert, Remediation
-from libs.gangs import FAULT_BROKE_MEMBER, restart_gang
+from libs.jobs import lifecycle
+from libs.jobs.lifecycle import FAULT_BROKE_MEMBER
+from libs.jobs.store import advance, restart_gang
 from libs.runtime.tasks import TaskSet
 from services.prober.billing import LateUsage
 from services.prober.billing import relay_bytes as billed_relay_bytes
@@ -99,16 +95,10 @@ class GangRun:
         ]
         started = now()
 
-        def running(status: JobStatus) -> JobStatus:
-            return msgspec.structs.replace(
-                status,
-                phase=Phase.RUNNING,
-                run_started_time=started,
-                billing=boot_billed(status, started),
-                runs=status.runs + 1,
-            )
-
-        if not await update_job(self.jobs, gang, epoch, running, {Phase.PROBING}):
+        running = lifecycle.RUNNING
+        if not await advance(
+            self.bus, gang, epoch, running, lambda s: lifecycle.running(s, started)
+        ):
             return
         await self._degraded(gang, epoch)  # a pair the relays carried from the start
         if failed:
@@ -170,17 +160,10 @@ class GangRun:
         else:
             state, reason, message = "False", "AllDirect", "every pair is direct"
 
-        def degraded(status: JobStatus) -> JobStatus:
-            current = next(
-                (c for c in status.conditions if c.type == ConditionType.NETWORK_DEGRADED), None
-            )
-            if current is None and state == "False":
-                return status  # never degraded: nothing to say
-            if current is not None and (current.status, current.message) == (state, message):
-                return status
-            return with_condition(status, ConditionType.NETWORK_DEGRADED, state, reason, message, t)
+        def degraded(status: JobStatus) -> lifecycle.Step:
+            return lifecycle.degraded(status, state, reason, message, t)
 
-        if found and await update_job(self.jobs, gang, epoch, degraded, {Phase.RUNNING}):
+        if found and await advance(self.bus, gang, epoch, lifecycle.DEGRADED, degraded):
             DEGRADED.labels(gang).set(1 if slow else 0)  # running gangs only (forget_gang)
             log.info("%s epoch %d: NetworkDegraded=%s: %s", gang, epoch, state, message)
 
@@ -276,25 +259,12 @@ class GangRun:
             await asyncio.sleep(USAGE_SETTLE_SECONDS)
             relay_bytes = await billed_relay_bytes(self.bus, gang)
 
-        def finished(status: JobStatus) -> JobStatus:
-            # A rank can end before the launch replies are all in and the run's start is set.
-            end = max(t, status.run_started_time or t)
-            run = (end - (status.run_started_time or end)).total_seconds()
-            boot = status.billing.boot_seconds if status.billing else 0.0
-            status = msgspec.structs.replace(
-                status,
-                phase=Phase.SUCCEEDED if succeeded else Phase.FAILED,
-                finished_time=end,
-                billing=Billing(
-                    boot_seconds=boot,
-                    run_seconds=round(run, 3),
-                    mesh_relay_gi_b=relay_bytes / 2**30,
-                ),
-            )
-            return with_condition(status, ConditionType.GANG_READY, "False", reason, message, end)
+        def finished(status: JobStatus) -> lifecycle.Step:
+            return lifecycle.finished(status, succeeded, reason, message, t, relay_bytes)
 
         forget_gang(gang)  # every replica that saw the end: its series of the gang go
-        if await update_job(self.jobs, gang, epoch, finished, {Phase.RUNNING}):
+        end = lifecycle.SUCCEEDED if succeeded else lifecycle.FAILED
+        if await advance(self.bus, gang, epoch, end, finished):
             RUNS.labels("succeeded" if succeeded else "failed").inc()
             log.info(
                 "%s epoch %d %s: %s", gang, epoch, "succeeded" if succeeded else "failed", message
@@ -311,28 +281,3 @@ class GangRun:
                         )
                     except NodusError as error:
                         log.warning("stopping %s on %s: %s", gang, member.node, error)
-
-
-def boot_billed(status: JobStatus, t: datetime) -> Billing:
-    """Placement through the probe is billed as boot time (G10), up to `t`."""
-    return Billing(boot_seconds=round((t - (status.placed_time or t)).total_seconds(), 3))
-
-
-async def update_job(
-    jobs: Bucket[Job],
-    gang: str,
-    epoch: int,
-    change: Callable[[JobStatus], JobStatus],
-    phases: set[Phase],
-) -> bool:
-    """Compare-and-set on the job: only while it is still this epoch, in one of `phases`."""
-    applied = [False]
-
-    def update(job: Job | None) -> Job | None:
-        if job is None or job.status.epoch != epoch or job.status.phase not in phases:
-            return None
-        applied[0] = True
-        return msgspec.structs.replace(job, status=change(job.status))
-
-    result = await jobs.mutate(gang, update)
-    return result is not None and applied[0]

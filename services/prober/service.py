@@ -23,13 +23,11 @@ from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS, HEARTBEATS_PER_TIME
 from libs.contracts.epochs import Epoch
 from libs.contracts.errors import NodusError
 from libs.contracts.jobs import (
-    ConditionType,
     Job,
     JobStatus,
     PathClass,
     Phase,
     Probe,
-    with_condition,
 )
 from libs.contracts.lifecycle import (
     PairResult,
@@ -41,9 +39,11 @@ from libs.contracts.lifecycle import (
     ShimCheckRequest,
 )
 from libs.contracts.relay import Member
+from libs.jobs import lifecycle
+from libs.jobs.store import advance
 from libs.runtime.tasks import TaskSet
 from services.prober.metrics import record_pairs
-from services.prober.run import GangRun, boot_billed, update_job
+from services.prober.run import GangRun
 from services.prober.schedule import rounds
 
 log = logging.getLogger("nodus.prober")
@@ -61,7 +61,6 @@ TAKEOVERS = Counter(
     "nodus_prober_takeovers_total",
     "Epoch probes taken over from a prober replica that went silent or restarted",
 )
-OPEN = {Phase.PLACED, Phase.PROBING}  # a job whose epoch's probe someone must hold
 
 
 class Prober:
@@ -128,7 +127,7 @@ class Prober:
     async def _watch_jobs(self, caught_up: asyncio.Event) -> None:
         async for change in self.jobs.watch(caught_up=caught_up):
             job = change.value
-            if job is None or job.status.phase not in OPEN:
+            if job is None or job.status.phase not in lifecycle.AWAITS_PROBE:
                 self._open.pop(change.key, None)
                 continue
             self._open[job.key] = job.status.epoch
@@ -159,7 +158,11 @@ class Prober:
         """Create the epoch's probe record, or take it over from a holder that is silent or
         restarted; compare-and-set on the record's revision, so one replica wins."""
         job = await self.jobs.get(gang)
-        if job is None or job.value.status.epoch != epoch or job.value.status.phase not in OPEN:
+        if (
+            job is None
+            or job.value.status.epoch != epoch
+            or job.value.status.phase not in lifecycle.AWAITS_PROBE
+        ):
             return False
         key = names.epoch_key(gang, epoch)
         t = now()
@@ -252,9 +255,7 @@ class Prober:
         started = asyncio.get_running_loop().time()
         epoch_number = epoch.epoch
         schedule = rounds(nodes)
-        if not await update_job(
-            self.jobs, gang, epoch_number, lambda s: _phase(s, Phase.PROBING), OPEN
-        ):
+        if not await advance(self.bus, gang, epoch_number, lifecycle.PROBING, lifecycle.probing):
             return
         await self._wait_joined(gang, epoch_number, nodes)
         if epoch.path is PathClass.RELAYED:
@@ -402,20 +403,15 @@ class Prober:
             measured_time=slowest.measured_time or t,
         )
 
-        def qualified(status: JobStatus) -> JobStatus:
-            gang_status = msgspec.structs.replace(status.gang, probe=probe) if status.gang else None
-            status = msgspec.structs.replace(status, gang=gang_status)
-            return with_condition(
-                status,
-                ConditionType.NETWORK_QUALIFIED,
-                "True",
-                "ProbePassed",
-                f"{len(results)} pairs measured; slowest {slowest.a}-{slowest.b}: {slowest.tcp_gbps:g} Gbit/s, "
-                f"{slowest.rtt_ms:g} ms, {slowest.path}",
-                t,
-            )
+        message = (
+            f"{len(results)} pairs measured; slowest {slowest.a}-{slowest.b}: "
+            f"{slowest.tcp_gbps:g} Gbit/s, {slowest.rtt_ms:g} ms, {slowest.path}"
+        )
 
-        if not await update_job(self.jobs, gang, epoch, qualified, {Phase.PROBING}):
+        def qualified(status: JobStatus) -> lifecycle.Step:
+            return lifecycle.qualified(status, probe, message, t)
+
+        if not await advance(self.bus, gang, epoch, lifecycle.QUALIFIED, qualified):
             return
         PROBES.labels("qualified").inc()
         await self.run.launch(gang, epoch)
@@ -466,49 +462,23 @@ class Prober:
 
         suspect = pair.suspect or pair.b
         if history:
+            transition = lifecycle.EXHAUSTED
             next_step = f"the job fails: no qualified placement after {epoch} epochs"
         elif direct_failed:
+            transition = lifecycle.RELAYED_INSTEAD
             next_step = "it continues as Relayed on the same machines"
         else:
+            transition = lifecycle.PROBE_FAILED
             next_step = f"placing it again without {suspect}"
 
-        def again(status: JobStatus) -> JobStatus:
-            if history:
-                # A gang that cannot be qualified after a bounded number of epochs fails,
-                # with every epoch's reason (the failed epochs were not billed).
-                status = with_condition(
-                    status,
-                    ConditionType.GANG_READY,
-                    "False",
-                    "EpochsExhausted",
-                    f"no qualified placement after {epoch} epochs: " + "; ".join(history),
-                    t,
-                )
-                return msgspec.structs.replace(status, phase=Phase.FAILED, finished_time=t)
-            if direct_failed:
-                # G12: an Auto gang whose direct path fails continues as Relayed, same machines.
-                status = with_condition(
-                    status,
-                    ConditionType.NETWORK_QUALIFIED,
-                    "False",
-                    "DirectPathFailed",
-                    f"{reason}; continuing as Relayed",
-                    t,
-                )
-                return msgspec.structs.replace(
-                    status, phase=Phase.PENDING, path_override=PathClass.RELAYED
-                )
-            status = with_condition(
-                status, ConditionType.NETWORK_QUALIFIED, "False", "ProbeFailed", reason, t
-            )
-            return msgspec.structs.replace(
-                status,
-                phase=Phase.PENDING,
-                avoid=[*status.avoid, suspect],
-                lost=[n for n in status.lost if n != suspect],  # avoided for good now (G12)
-            )
+        def again(status: JobStatus) -> lifecycle.Step:
+            if transition is lifecycle.EXHAUSTED:
+                return lifecycle.exhausted(status, epoch, history, t)
+            if transition is lifecycle.RELAYED_INSTEAD:
+                return lifecycle.relayed_instead(status, reason, t)
+            return lifecycle.probe_failed(status, suspect, reason, t)
 
-        if await update_job(self.jobs, gang, epoch, again, {Phase.PROBING}):
+        if await advance(self.bus, gang, epoch, transition, again):
             log.warning("%s epoch %d failed its probe (%s); %s", gang, epoch, reason, next_step)
 
     async def _shim_not_loaded(self, gang: str, epoch: int, why: str) -> None:
@@ -516,22 +486,10 @@ class Prober:
         await self._conclude_record(gang, epoch, "Failed", t, why)
         PROBES.labels("shim_not_loaded").inc()
 
-        def failed(status: JobStatus) -> JobStatus:
-            status = with_condition(
-                status, ConditionType.NETWORK_QUALIFIED, "False", "ShimNotLoaded", why, t
-            )
-            return msgspec.structs.replace(
-                status,
-                phase=Phase.FAILED,
-                finished_time=t,
-                billing=boot_billed(status, t),
-            )
+        def failed(status: JobStatus) -> lifecycle.Step:
+            return lifecycle.shim_not_loaded(status, why, t)
 
-        await update_job(self.jobs, gang, epoch, failed, {Phase.PROBING})
-
-
-def _phase(status: JobStatus, phase: Phase) -> JobStatus:
-    return msgspec.structs.replace(status, phase=phase)
+        await advance(self.bus, gang, epoch, lifecycle.SHIM_NOT_LOADED, failed)
 
 
 def _with_pairs(done: list[PairResult]) -> Callable[[ProbeRecord], ProbeRecord]:

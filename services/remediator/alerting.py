@@ -11,7 +11,8 @@ from typing import Any
 
 from libs.contracts import names
 from libs.contracts.remediation import Alert, AlertState, SignalReport
-from libs.gangs import FAULT_BROKE_MEMBER, restart_gang
+from libs.jobs.lifecycle import FAULT_BROKE_MEMBER
+from libs.jobs.store import restart_gang
 from services.remediator import alerts as alert_rules
 from services.remediator import decide, guardrails, ladder, metrics
 from services.remediator.alerts import AlertSettings, Placement

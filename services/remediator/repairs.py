@@ -20,7 +20,8 @@ from libs.contracts.remediation import (
     Remediation,
     RemediationState,
 )
-from libs.gangs import FAULT_BROKE_MEMBER, NODE_REPAIR, restart_gang
+from libs.jobs.lifecycle import FAULT_BROKE_MEMBER, NODE_REPAIR
+from libs.jobs.store import restart_gang
 from services.remediator import alerts as alert_rules
 from services.remediator import guardrails, ladder, lifecycle, metrics, policy
 from services.remediator.breakers import Breakers

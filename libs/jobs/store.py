@@ -1,0 +1,77 @@
+"""Writing a job's transitions: a compare-and-set on its record (only while it is still the
+epoch and in a phase the transition starts from), then the event that records it. The record
+is the truth and the event its audit: an event that fails to publish is logged, not retried."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import msgspec
+
+from libs.bus import Bus
+from libs.contracts import names
+from libs.contracts.base import now
+from libs.contracts.jobs import Job, JobEvent, JobStatus
+from libs.jobs import lifecycle
+from libs.jobs.lifecycle import Step, Transition
+
+log = logging.getLogger("nodus.jobs")
+
+
+async def advance(
+    bus: Bus,
+    gang: str,
+    epoch: int,
+    transition: Transition,
+    step: Callable[[JobStatus], Step],
+) -> Step | None:
+    """`step` applied to the job while it is still `epoch` and in one of `transition`'s
+    sources; the step written (and its event published), or None: the job moved on."""
+    applied: list[Step] = []
+
+    def update(job: Job | None) -> Job | None:
+        if job is None or job.status.epoch != epoch or job.status.phase not in transition.sources:
+            return None
+        result = step(job.status)
+        applied[:] = [result]
+        return msgspec.structs.replace(job, status=result.status)
+
+    jobs = bus.bucket(names.BUCKET_JOBS, Job)
+    if await jobs.mutate(gang, update) is None or not applied:
+        return None
+    await publish(bus, gang, epoch, applied[0])
+    return applied[0]
+
+
+async def publish(bus: Bus, gang: str, epoch: int, step: Step) -> None:
+    if step.event is None:
+        return
+    event = JobEvent(gang=gang, kind=step.event, epoch=epoch, message=step.message, time=now())
+    try:
+        await bus.publish(names.job_event(gang, step.event.lower()), event)
+    except Exception as error:  # the job record is the truth; the event is its audit
+        log.warning("event %s for %s not published: %s", step.event, gang, error)
+
+
+async def restart_gang(
+    bus: Bus, node: str, gang: str, epoch: int, reason: str, message: str
+) -> bool:
+    """`gang` goes back to placement without `node` (R16, R17), if `epoch` is still its
+    current one and active; True if this call did it. The placer fences the old epoch first,
+    then places the next."""
+    t = now()
+    try:
+        step = await advance(
+            bus,
+            gang,
+            epoch,
+            lifecycle.MEMBERS_LOST,
+            lambda status: lifecycle.members_lost(status, [node], reason, message, t),
+        )
+    except Exception as error:  # the job moved on; the placer's member checks remain
+        log.warning("could not restart %s for %s: %s", gang, node, error)
+        return False
+    if step is not None:
+        log.warning("%s: %s", gang, message)
+    return step is not None
