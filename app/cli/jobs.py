@@ -115,7 +115,7 @@ def _node_row(record: NodeRecord, health: NodeHealth | None, gang: str | None) -
         inv.offering,
         f"{inv.accelerators.count}x {inv.accelerators.model} ({inv.accelerators.backend})",
         inv.address,
-        "Ready" if ready else "NotReady",
+        ("Ready" if ready else "NotReady") + (",Failing" if health and health.failing else ""),
         gang or "-",
     ]
 
@@ -172,6 +172,10 @@ async def _get_nodes(args: argparse.Namespace) -> int:
     documents = [_node_document(*node) for node in nodes]
     if not emit(documents[0] if one else documents, args.output):
         print(table(NODE_COLUMNS, [_node_row(*node) for node in nodes]))
+        # What an agent fails to converge to: said under the table, one line each.
+        for record, health, _ in nodes:
+            for line in health.failing if health else []:
+                print(f"{record.inventory.node}: {line}")
     return 0
 
 

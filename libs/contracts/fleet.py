@@ -124,6 +124,9 @@ class NodeHealth(Record):
     heartbeat_time: datetime
     boot_id: str = ""
     reasons: list[str] = []
+    # What the agent keeps trying and failing to converge to, one line each (an epoch whose
+    # dataplane does not start, and when it tries next): `nodus get nodes` shows it.
+    failing: list[str] = []
 
 
 def load_fleet(path: Path) -> Fleet:

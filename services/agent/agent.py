@@ -166,6 +166,7 @@ class Agent:
         self._granted_at: dict[str, float] = {}
         self.local: dict[str, LocalEpoch] = {}  # joinkey key -> the epoch as it runs here
         self._refused: dict[str, str] = {}  # joinkey key -> the token refused (not retried)
+        self.failing: dict[str, str] = {}  # joinkey key -> why it does not converge
         self._lock = asyncio.Lock()  # one reconcile step at a time
         self._starting = TaskSet("agent dataplane start", log)
         self._tasks: list[asyncio.Task[None]] = []
@@ -362,11 +363,28 @@ class Agent:
         return JoinedEpochsReply(node=self.node, epochs=epochs)
 
     async def _beat(self) -> None:
-        await self.health.put(
-            self.node,
-            NodeHealth(node=self.node, healthy=True, heartbeat_time=now(), boot_id=self.boot_id),
+        beat = NodeHealth(
+            node=self.node,
+            healthy=True,
+            heartbeat_time=now(),
+            boot_id=self.boot_id,
+            failing=[self.failing[key] for key in sorted(self.failing)],
         )
+        await self.health.put(self.node, beat)
         HEARTBEATS.labels(self.node).inc()
+
+    async def _report_failing(self, key: str, line: str | None) -> None:
+        """What does not converge, said in the node's status at once, not at the next beat."""
+        if self.failing.get(key) == line:
+            return
+        if line is None:
+            self.failing.pop(key, None)
+        else:
+            self.failing[key] = line
+        try:
+            await self._beat()
+        except Exception as error:  # the next heartbeat carries it
+            log.warning("heartbeat failed: %s", error)
 
     async def _heartbeats(self) -> None:
         while True:
@@ -423,6 +441,9 @@ class Agent:
             if not live:
                 if local is not None:
                     await self._leave(key, local)
+                elif key in self.failing:  # a refused key, gone: nothing left to say
+                    self._refused.pop(key, None)
+                    await self._report_failing(key, None)
             elif local is None:
                 assert grant is not None
                 if self._refused.get(key) != grant.token:
@@ -445,6 +466,7 @@ class Agent:
                 )
             else:
                 log.warning("join refused: %s", error)
+            await self._report_failing(key, f"join of {key} refused: {error}")
             return
         local = self.local[key]
         JOINS.labels(self.node, "joined").inc()
@@ -536,6 +558,7 @@ class Agent:
         if self.store is not None:
             self.store.remove(key)
         log.info("left %s epoch %d", local.gang, local.epoch)
+        await self._report_failing(key, None)
 
     async def _stop_local(self, local: LocalEpoch) -> None:
         if local.starting is not None and not local.starting.done():
@@ -742,18 +765,18 @@ class Agent:
                 raise
             local.failures = 0
             DATAPLANES.labels(self.node, outcome).inc()
+            await self._report_failing(key, None)
         except (NodusError, OSError, TimeoutError) as error:
             local.failures += 1
             pause = min(RETRY_MOST, RETRY_FIRST * 2 ** (local.failures - 1))
             local.retry_at = asyncio.get_running_loop().time() + pause
             DATAPLANES.labels(self.node, "failed").inc()
-            log.warning(
-                "%s epoch %d: the dataplane did not start (again in %.0f s): %s",
-                local.gang,
-                local.epoch,
-                pause,
-                error,
+            said = (
+                f"{local.gang} epoch {local.epoch}: the dataplane did not start "
+                f"({local.failures} tries, the next in {pause:.0f} s): {error}"
             )
+            log.warning("%s", said)
+            await self._report_failing(key, said)
         finally:
             local.starting = None
 

@@ -5,6 +5,7 @@ Relayed gang's SOCKS5 entry that records every gap in its delivery."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -22,9 +23,12 @@ from libs.bus.server import NatsServer, free_port
 from libs.client.client import Client
 from libs.contracts import decode, names
 from libs.contracts.dataplane import DataplaneProcess
+from libs.contracts.errors import NodusError
 from libs.contracts.fleet import NodeRecord
 from libs.contracts.lifecycle import JoinedEpoch, JoinedEpochsReply, JoinedEpochsRequest
+from services.agent import procs
 from services.agent.dataplane.store import PROCESS
+from services.relay.relay import Relay
 from tests.factories import job
 from tests.socks_client import socks_connect
 
@@ -178,6 +182,20 @@ async def place_relayed_gang(bus: Bus, daemons: list[AgentDaemon], name: str = "
             return
         await asyncio.sleep(0.2)
     raise AssertionError("the gang's tunnels never came up")
+
+
+async def end_gang(bus: Bus, name: str, daemons: list[AgentDaemon], relays: list[Relay]) -> None:
+    """Delete the gang (its dataplanes stop with its epoch), stop the agents, end a dataplane
+    a test's own kill left, stop the relays."""
+    with contextlib.suppress(NodusError):
+        await Client(bus).delete(name)
+    for daemon in daemons:
+        daemon.stop()
+        record = daemon.dataplane()
+        if record is not None:
+            procs.kill_group(record.pid, record.start_ticks)
+    for relay in relays:
+        await relay.stop()
 
 
 async def joined(bus: Bus, node: str) -> list[JoinedEpoch]:

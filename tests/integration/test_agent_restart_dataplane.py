@@ -7,7 +7,6 @@ the agent starts; a dataplane of another boot is killed, not adopted."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
@@ -20,7 +19,6 @@ import pytest
 from libs.bus import Bus
 from libs.bus.server import NatsServer
 from libs.client.client import Client
-from libs.contracts.errors import NodusError
 from libs.contracts.jobs import Phase
 from services.agent import procs
 from services.agent.boot import new_lab_boot
@@ -31,6 +29,7 @@ from tests.integration.agent_daemons import (
     AgentDaemon,
     Stream,
     agent_daemons,
+    end_gang,
     joined,
     place_relayed_gang,
 )
@@ -48,16 +47,7 @@ async def lab(
     await start_placer()
     await place_relayed_gang(bus, daemons)
     yield daemons
-    with contextlib.suppress(NodusError):  # the epoch ends: its dataplanes stop with it
-        await Client(bus).delete("rs")
-    for daemon in daemons:
-        daemon.stop()
-    for daemon in daemons:  # a dataplane left by a test's own kill is ended here
-        record = daemon.dataplane()
-        if record is not None:
-            procs.kill_group(record.pid, record.start_ticks)
-    for relay in relays:
-        await relay.stop()
+    await end_gang(bus, "rs", daemons, relays)
     findings = DaemonLogs([tmp_path / "logs"]).read_new()
     assert not findings, "\n".join(str(f) for f in findings)
 

@@ -61,7 +61,7 @@ class _OwnMetrics:
 
 class DataplaneProcess:
     def __init__(self, epoch_dir: Path, bus: Bus) -> None:
-        store = EpochStore(epoch_dir.parent.parent)
+        store = self.store = EpochStore(epoch_dir.parent.parent)
         self.stored = store.load(epoch_dir.name)
         self.socket = store.socket(epoch_dir.name)
         self.bus = bus
@@ -106,6 +106,7 @@ class DataplaneProcess:
                 if not isinstance(error, NodusError | OSError | TimeoutError):
                     raise error  # type: ignore[misc]
                 self.failed = str(error) or repr(error)
+                self.store.save_failure(state.key, self.failed)  # the agent says it
                 log.warning(
                     "%s epoch %d: the dataplane did not start: %s",
                     state.joined.gang,

@@ -26,6 +26,7 @@ log = logging.getLogger("nodus.agent.dataplane.store")
 STATE = "state.json"
 KEY = "wg.key"
 PROCESS = "process.json"
+FAILED = "failed.txt"  # why the last dataplane process gave up, for the agent to say
 
 
 def _write(path: Path, data: bytes, mode: int = 0o600) -> None:
@@ -72,6 +73,19 @@ class EpochStore:
 
     def forget_process(self, key: str) -> None:
         (self.directory(key) / PROCESS).unlink(missing_ok=True)
+
+    def save_failure(self, key: str, why: str) -> None:
+        _write(self.directory(key) / FAILED, why.encode())
+
+    def take_failure(self, key: str) -> str | None:
+        """Why the last process gave up, once (the next process starts with a clean slate)."""
+        path = self.directory(key) / FAILED
+        try:
+            why = path.read_text()
+        except FileNotFoundError:
+            return None
+        path.unlink(missing_ok=True)
+        return why
 
     def remove(self, key: str) -> None:
         shutil.rmtree(self.directory(key), ignore_errors=True)

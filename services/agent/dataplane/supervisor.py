@@ -162,9 +162,10 @@ class ProcessDataplane:
         deadline = asyncio.get_running_loop().time() + READY_WAIT
         while True:
             if not self.running():
+                why = self.store.take_failure(self.key) or "see its log"
                 raise NodusError(
                     ErrorCode.ADDRESS_UNAVAILABLE,
-                    f"{self.key}: the dataplane process {self.record.pid} ended "
+                    f"the dataplane process {self.record.pid} ended: {why} "
                     f"(its log: dataplane-{self.key}.log)",
                 )
             try:
