@@ -145,3 +145,16 @@ def load_fleet(path: Path) -> Fleet:
                 f"fleet {path}: machine {machine.name}: privateNetwork and privateAddress go together",
             )
     return fleet
+
+
+class MachineFacts(Record):
+    """What the platform must be told: /etc/nodus/machine.yaml, each field a flag too."""
+
+    provider: Name
+    region: Name
+    region_class: Name | None = None  # the region, when not given
+    pool: Name = "default"
+    cluster: Name = "default"
+    interface: str | None = None  # the underlay; default: the default route's
+    private_network: Name | None = None
+    private_interface: Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_.-]{1,15}$")] | None = None

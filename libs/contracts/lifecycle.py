@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
+import msgspec
+
 from libs.contracts.base import Name, Record
 
 
@@ -150,3 +152,14 @@ class ShimCheckReply(Record):
     node: str
     ok: bool
     error: str | None = None  # ShimNotLoaded: why, and what to do; CheckFailed: it did not run
+
+
+class RankProcess(msgspec.Struct):
+    """A running rank as the machine's disk remembers it (`<rank key>.pid` beside its log), so
+    that an agent starting again finds it: the rank's keeper (its parent, the leader of its
+    process group), and the boot it was started in."""
+
+    status: RankStatus
+    pid: int
+    start_ticks: int  # /proc/<pid>/stat's start time: a pid reused since is not the keeper
+    boot_id: str = ""  # empty: a record of an agent before keepers, never adopted

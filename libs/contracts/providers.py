@@ -185,3 +185,8 @@ class HealthCheckReply(Record):
     failures: list[str] = []  # readable; empty when healthy
     checks: list[str] = []  # what was checked
     checked_time: datetime | None = None
+
+
+class Credentials(msgspec.Struct, forbid_unknown_fields=True):
+    username: str
+    password: str

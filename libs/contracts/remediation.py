@@ -483,3 +483,28 @@ class RebootRequest(Record):
 class RebootReply(Record):
     node: str
     boot_id: str
+
+
+class SeenEvent(msgspec.Struct, kw_only=True):
+    """One fault the log showed, as a monitor keeps it across restarts."""
+
+    kind: AlertKind
+    subject: str
+    detail: str
+    line: str
+    xid: int | None = None
+    pid: str | None = None
+    process: str | None = None
+    kernel_seconds: float | None = None
+    first: datetime
+    last: datetime
+    count: int
+    lines: list[str] = []
+
+
+class KmsgCursor(msgspec.Struct, kw_only=True):
+    """Where a reader of one boot's log got to, and what it had found by then."""
+
+    boot_id: str
+    seq: int
+    seen: list[SeenEvent] = []

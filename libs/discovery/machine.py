@@ -8,31 +8,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Annotated
 
-import msgspec
-
-from libs.contracts.base import Name, Record
-from libs.contracts.fleet import AcceleratorDevice, Accelerators, Inventory
+from libs.contracts.fleet import AcceleratorDevice, Accelerators, Inventory, MachineFacts
 from libs.contracts.jobs import Backend
 from libs.discovery.gpus import DiscoveryError, GpuReport, model_of
 
 # What every agent implements; the placer refuses plans needing more (C6).
 BASE_CAPABILITIES = ["register", "heartbeat", "join-epoch"]
 NO_ACCELERATORS = "none"  # the model of a machine without GPUs (count 0)
-
-
-class MachineFacts(Record):
-    """What the platform must be told: /etc/nodus/machine.yaml, each field a flag too."""
-
-    provider: Name
-    region: Name
-    region_class: Name | None = None  # the region, when not given
-    pool: Name = "default"
-    cluster: Name = "default"
-    interface: str | None = None  # the underlay; default: the default route's
-    private_network: Name | None = None
-    private_interface: Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_.-]{1,15}$")] | None = None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ from typing import TypedDict, Unpack
 
 import msgspec
 
+from libs.contracts.shim import SelfTestResult
+
 __all__ = [
     "BUILD_DIR",
     "CHECK_PATH",
@@ -80,27 +82,6 @@ class NetshimBuildError(RuntimeError):
 
 class NetshimCheckError(RuntimeError):
     """nodus-shim-check could not be run or gave no report (not the same as ShimNotLoaded)."""
-
-
-class SelfTestResult(msgspec.Struct, frozen=True, rename="camel"):
-    """nodus-shim-check's report. `ok` = the shim loaded into the launcher; else `reason` is
-    "ShimNotLoaded" (the launcher cannot load it: static, musl, other architecture, ...) or
-    "CheckFailed" (launcher not found, shim missing), and `message` says why and what to do."""
-
-    ok: bool
-    exit_code: int
-    reason: str | None
-    launcher: str
-    resolved: str | None
-    target: str | None
-    linkage: str  # glibc | musl | static | other | not-elf | unknown
-    interpreter: str | None
-    shim: str
-    loaded: bool
-    markers: list[str]
-    loader_message: str | None
-    launcher_status: str | None
-    message: str
 
 
 def _newest_source() -> float:

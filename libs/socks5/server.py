@@ -34,8 +34,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
-import msgspec
-
+from libs.contracts.socks import SocksClosed, SocksConnected, SocksEvent, SocksRejected
 from libs.runtime.tasks import TaskSet
 from libs.socks5.codec import ConnectRequest, Rejected, ReplyCode, ServerCodec
 
@@ -69,38 +68,6 @@ class SocksRefusal(Exception):
         super().__init__(reason or code.name.lower().replace("_", " "))
         self.code = code
 
-
-class SocksConnected(msgspec.Struct, frozen=True, tag_field="event", tag="connected"):
-    """A CONNECT was answered: reply 0 and `via` (the endpoint's side of the connection it
-    made) on success, the failure code and `error` otherwise."""
-
-    client: str
-    host: str
-    port: int
-    reply: int
-    via: str = ""
-    error: str = ""
-
-
-class SocksClosed(msgspec.Struct, frozen=True, tag_field="event", tag="closed"):
-    """A spliced connection ended; bytes client -> destination (up) and back (down)."""
-
-    client: str
-    host: str
-    port: int
-    bytes_up: int
-    bytes_down: int
-
-
-class SocksRejected(msgspec.Struct, frozen=True, tag_field="event", tag="rejected"):
-    """The client's input was refused before any dial (malformed, unsupported, too slow)."""
-
-    client: str
-    reason: str
-    reply: int | None = None
-
-
-SocksEvent = SocksConnected | SocksClosed | SocksRejected
 
 _NETWORK = {errno.ENETUNREACH, errno.ENETDOWN}
 _HOST = {errno.EHOSTUNREACH, errno.EHOSTDOWN}

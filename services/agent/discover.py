@@ -21,7 +21,7 @@ import msgspec
 import yaml
 
 from libs.contracts.base import convert
-from libs.contracts.fleet import Inventory
+from libs.contracts.fleet import Inventory, MachineFacts
 from libs.discovery.gpus import (
     DiscoveryError,
     Gpu,
@@ -32,13 +32,7 @@ from libs.discovery.gpus import (
     parse_nvidia_smi_xml,
     parse_rocm_smi,
 )
-from libs.discovery.machine import (
-    MachineFacts,
-    Tried,
-    inventory_from,
-    parse_default_route,
-    parse_ip_addr,
-)
+from libs.discovery.machine import Tried, inventory_from, parse_default_route, parse_ip_addr
 from services.agent.inventory import network_namespace
 
 log = logging.getLogger("nodus.agent.discover")

@@ -32,11 +32,11 @@ from libs.contracts.lifecycle import (
     ShimCheckRequest,
     StopRequest,
 )
+from services.agent.probe import ProbeServer
 from services.agent.ranks import RankRunner
-from services.prober.member import ProbeServer
 
 log = logging.getLogger("nodus.agent.gang")
-REPO = str(Path(__file__).resolve().parents[2])  # where `services.prober.member` imports from
+REPO = str(Path(__file__).resolve().parents[2])  # where `services.agent.probe` imports from
 
 
 # A Direct member's address is nodus0's: it appears once the agent has made the device,
@@ -128,7 +128,7 @@ class GangWork:
         command = [
             sys.executable,
             "-m",
-            "services.prober.member",
+            "services.agent.probe",
             "--address",
             request.address,
             "--port",

@@ -16,7 +16,7 @@ import msgspec
 from libs.bus import Bucket
 from libs.contracts import names
 from libs.contracts.base import now
-from libs.contracts.lifecycle import RankStatus
+from libs.contracts.lifecycle import RankProcess, RankStatus
 from libs.runtime.tasks import cancel_and_wait
 from services.agent import procs
 from services.agent.boot import BootIdentity
@@ -24,17 +24,6 @@ from services.agent.boot import BootIdentity
 log = logging.getLogger("nodus.agent.ranks")
 
 KEEPER = str(Path(__file__).with_name("rankkeeper.py"))  # run by path: `-I`, no imports of ours
-
-
-class RankProcess(msgspec.Struct):
-    """A running rank as the machine's disk remembers it (`<rank key>.pid` beside its log), so
-    that an agent starting again finds it: the rank's keeper (its parent, the leader of its
-    process group), and the boot it was started in."""
-
-    status: RankStatus
-    pid: int
-    start_ticks: int  # /proc/<pid>/stat's start time: a pid reused since is not the keeper
-    boot_id: str = ""  # empty: a record of an agent before keepers, never adopted
 
 
 def _alive(remembered: RankProcess) -> bool:

@@ -30,10 +30,10 @@ import pytest
 from libs.bus import Bus
 from libs.bus.server import NatsServer
 from libs.contracts import names
-from libs.contracts.remediation import Alert, AlertKind, AlertState, SignalReport
+from libs.contracts.remediation import Alert, AlertKind, AlertState, KmsgCursor, SignalReport
 from services.remediator import faults
 from services.remediator.alerts import alert_id
-from services.remediator.detectors.kmsgdevice import KmsgCursor, read_boot_id
+from services.remediator.detectors.kmsgdevice import read_boot_id
 from services.remediator.main import BUCKETS as REMEDIATOR_BUCKETS
 from tests.e2e.daemon_logs import DaemonLogs
 from tests.kmsg_support import (

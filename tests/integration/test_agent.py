@@ -20,10 +20,9 @@ from libs.contracts.epochs import Epoch, JoinKeyGrant, JoinRedemption
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.jobs import Phase
-from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest, RankStatus
+from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest, RankProcess, RankStatus
 from services.agent.agent import Agent
 from services.agent.boot import new_lab_boot
-from services.agent.ranks import RankProcess
 from tests.conftest import StartPlacer, eventually
 from tests.factories import job, machine
 

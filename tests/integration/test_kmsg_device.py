@@ -13,8 +13,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from libs.contracts.remediation import KmsgCursor
 from services.remediator.detectors.kmsg import KernelLog
-from services.remediator.detectors.kmsgdevice import KmsgCursor, KmsgDevice, read_boot_id
+from services.remediator.detectors.kmsgdevice import KmsgDevice, read_boot_id
 from services.remediator.detectors.machine import MachineDetectors, MachinePaths
 from tests.kmsg_support import KMSG, kmsg_writable, random_pci, write_record, xid_record
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from libs.contracts.base import now
-from libs.contracts.fleet import NodeRecord
+from libs.contracts.fleet import MachineFacts, NodeRecord
 from libs.contracts.jobs import PathClass
 from libs.discovery.gpus import (
     DiscoveryError,
@@ -21,13 +21,7 @@ from libs.discovery.gpus import (
     parse_nvidia_smi_xml,
     parse_rocm_smi,
 )
-from libs.discovery.machine import (
-    MachineFacts,
-    Tried,
-    inventory_from,
-    parse_default_route,
-    parse_ip_addr,
-)
+from libs.discovery.machine import Tried, inventory_from, parse_default_route, parse_ip_addr
 from services.placer.planner import Planner
 from tests.factories import job
 from tests.planner_support import config, must_place

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from libs.contracts.fleet import MachineFacts
 from libs.discovery.gpus import (
     NVIDIA_SMI_UNITS,
     DiscoveryError,
@@ -19,13 +20,7 @@ from libs.discovery.gpus import (
     parse_nvidia_smi_xml,
     parse_rocm_smi,
 )
-from libs.discovery.machine import (
-    MachineFacts,
-    Tried,
-    accelerators_of,
-    inventory_from,
-    parse_ip_addr,
-)
+from libs.discovery.machine import Tried, accelerators_of, inventory_from, parse_ip_addr
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "discovery"
 H100 = (FIXTURES / "nvidia-smi-q-x-8xH100.xml").read_text()

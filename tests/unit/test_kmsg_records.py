@@ -15,9 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libs.contracts.remediation import AlertKind
-from services.remediator.detectors.kmsg import KernelLog, SeenEvent
-from services.remediator.detectors.kmsgdevice import KmsgCursor
+from libs.contracts.remediation import AlertKind, KmsgCursor, SeenEvent
+from services.remediator.detectors.kmsg import KernelLog
 from services.remediator.detectors.kmsgrecords import (
     MAX_RECORD,
     KmsgRecord,

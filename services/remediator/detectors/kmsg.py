@@ -20,13 +20,12 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-import msgspec
-
 from libs.contracts.remediation import (
     MAX_EVIDENCE_LINES,
     AlertKind,
     Evidence,
     Finding,
+    SeenEvent,
     Severity,
 )
 from services.remediator.catalog import xid_entry
@@ -155,23 +154,6 @@ def parse_line(line: str) -> KernelEvent | None:
             kernel_seconds=seconds,
         )
     return None
-
-
-class SeenEvent(msgspec.Struct, kw_only=True):
-    """One fault the log showed, as a monitor keeps it across restarts."""
-
-    kind: AlertKind
-    subject: str
-    detail: str
-    line: str
-    xid: int | None = None
-    pid: str | None = None
-    process: str | None = None
-    kernel_seconds: float | None = None
-    first: datetime
-    last: datetime
-    count: int
-    lines: list[str] = []
 
 
 @dataclass(slots=True)

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import msgspec
 
+from libs.contracts.remediation import KmsgCursor
 from services.remediator import metrics
-from services.remediator.detectors.kmsg import MAX_LINE, KernelLog, SeenEvent, may_matter
+from services.remediator.detectors.kmsg import MAX_LINE, KernelLog, may_matter
 from services.remediator.detectors.kmsgrecords import MAX_RECORD, KmsgStream
 
 log = logging.getLogger("nodus.monitor.kmsg")
@@ -38,14 +39,6 @@ BOOT_ID = "/proc/sys/kernel/random/boot_id"
 MAX_RECORDS_PER_READ = 50_000  # far more than the buffer holds (a 128 KiB log holds ~4,000)
 MAX_SECONDS_PER_READ = 0.5
 CURSOR_SECONDS = 5.0
-
-
-class KmsgCursor(msgspec.Struct, kw_only=True):
-    """Where a reader of one boot's log got to, and what it had found by then."""
-
-    boot_id: str
-    seq: int
-    seen: list[SeenEvent] = []
 
 
 def is_record_device(path: str) -> bool:

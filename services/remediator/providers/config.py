@@ -13,6 +13,7 @@ from libs.contracts.files import load_yaml_file
 from libs.contracts.providers import (
     DEFAULT_POOL,
     SUPPORTED,
+    Credentials,
     PoolProvider,
     ProviderKind,
     RemediatorConfig,
@@ -74,11 +75,6 @@ def check(config: RemediatorConfig) -> None:
                     )
             if entry.kind is ProviderKind.EXEC and not entry.exec.commands:
                 raise _bad("exec.commands is empty", f"{where}.exec.commands")
-
-
-class Credentials(msgspec.Struct, forbid_unknown_fields=True):
-    username: str
-    password: str
 
 
 def load_credentials(path: str) -> Credentials:

@@ -17,10 +17,10 @@ from typing import Any, TypeVar
 import sushy
 from sushy import exceptions as sushy_errors
 
-from libs.contracts.providers import Bmc, ProviderKind, ProviderOp, RedfishSettings
+from libs.contracts.providers import Bmc, Credentials, ProviderKind, ProviderOp, RedfishSettings
 from libs.contracts.remediation import Action
 from services.remediator.provider import ProviderError
-from services.remediator.providers.config import Credentials, load_credentials
+from services.remediator.providers.config import load_credentials
 from services.remediator.providers.ops import Ledger
 
 log = logging.getLogger("nodus.remediator.redfish")
