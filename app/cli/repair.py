@@ -5,9 +5,8 @@
     nodus approve ID            nodus cancel ID
     nodus policy get|set        nodus repair request ...
     nodus breaker get|reset CLUSTER
-    nodus fault inject NODE KIND [...]     nodus fault clear NODE [KIND]
 
-(`nodus policy` is in `app.cli.policy`; the daemons `remediator` and `monitor` in
+(`nodus policy` is in `app.cli.policy`, `nodus fault` in `app.cli.faults`; the daemons `remediator` and `monitor` in
 `app.cli.daemons`.)"""
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -60,7 +58,6 @@ from libs.contracts.remediation import (
     RemediationReply,
     RepairRequest,
 )
-from services.remediator import faults
 
 BUCKETS = [
     names.BUCKET_ALERTS,
@@ -525,51 +522,6 @@ async def _repair_request(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- faults --------------------------------------------------------------------------------------
-
-
-def _state_dir_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--state-dir",
-        type=Path,
-        default=Path(os.environ.get("NODUS_STATE_DIR", ".nodus")),
-        help="`nodus up`'s state dir: machine files under STATE_DIR/machines/NAME (default .nodus)",
-    )
-
-
-def _fault_inject_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("node")
-    parser.add_argument("kind", choices=faults.KINDS)
-    parser.add_argument("--xid", type=int, default=79)
-    parser.add_argument("--gpu", type=int, default=0, help="GPU index")
-    parser.add_argument("--port", default="mlx5_0/1", help="InfiniBand device/port")
-    parser.add_argument("--count", type=int, default=1, help="ECC errors, or link flaps")
-    parser.add_argument(
-        "--sticky", action="store_true", help="hardware: survives reboots and reprovisions"
-    )
-    _state_dir_flag(parser)
-
-
-def _fault_inject(args: argparse.Namespace) -> int:
-    fault = faults.Fault(
-        kind=args.kind, gpu=args.gpu, xid=args.xid, port=args.port, count=args.count
-    )
-    print(faults.inject(args.state_dir / "machines" / args.node, fault, sticky=args.sticky))
-    return 0
-
-
-def _fault_clear_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("node")
-    parser.add_argument("kind", nargs="?", choices=faults.KINDS)
-    _state_dir_flag(parser)
-
-
-def _fault_clear(args: argparse.Namespace) -> int:
-    faults.clear(args.state_dir / "machines" / args.node, args.kind)
-    print(f"{args.node}: {args.kind or 'every'} fault cleared")
-    return 0
-
-
 APPROVE = Command(
     "approve",
     "approve a pending repair (remediation or alert id)",
@@ -613,29 +565,12 @@ BREAKER = group(
         ),
     ],
 )
-FAULT = group(
-    "fault",
-    "write a fault into a local machine's files (demos)",
-    "fault_command",
-    [
-        Command(
-            "inject",
-            "write a fault in its real format",
-            _fault_inject_flags,
-            _fault_inject,
-            description="Write a fault the way the kernel, dcgm-exporter, Node Problem Detector "
-            "or sysfs write it, into STATE_DIR/machines/NODE/. Kinds: "
-            + ", ".join(faults.KINDS)
-            + ".",
-        ),
-        Command("clear", "undo injected faults", _fault_clear_flags, _fault_clear),
-    ],
-)
 
 
 def commands() -> list[Command]:
     """The repair commands in `nodus --help` order, `nodus policy` among them (app.cli.policy
     builds on this module, so it is imported here, not at the top)."""
+    from app.cli.faults import FAULT
     from app.cli.labels import LABEL
     from app.cli.policy import POLICY
 
