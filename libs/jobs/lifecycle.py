@@ -123,6 +123,12 @@ def placed(status: JobStatus, epoch: int, gang: GangStatus, replica: str, t: dat
     return Step(status, "placed", f"placed on {nodes} ({path})")
 
 
+def deleted(status: JobStatus) -> Step:
+    """A job deleted by request: its record goes (the placer fences its epoch first); the
+    event stays as its audit."""
+    return Step(status, "deleted", "deleted by request")
+
+
 def not_ready(status: JobStatus, state: State, reason: str, message: str, t: datetime) -> Step:
     """Why a Pending gang is not placed yet (no capacity, an address collision, ...); no step
     when it already says so."""

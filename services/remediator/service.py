@@ -7,8 +7,8 @@ Every write is a compare-and-set on a KV revision and every id is derived from w
 about, so replicas that race write one outcome and a replica that restarts resumes where the
 records say it stood (R14).
 
-The rooms: `store` (buckets, views, writes, events), `workqueue` (which node is reconciled
-next), `alerting` (signals to alerts to recommendations), `intake` (recommendations to
+The rooms: `store` (buckets, views, writes, events), `libs.runtime.workqueue` (which node is
+reconciled next), `alerting` (signals to alerts to recommendations), `intake` (recommendations to
 remediations), `repairs` (each remediation through its states), `cordons`, `slots` and
 `breakers` (the guardrails on the bus), `api` (the request/reply endpoints). This wires them."""
 
@@ -49,7 +49,7 @@ from services.remediator.provider import MachineProvider
 from services.remediator.repairs import Repairs
 from services.remediator.slots import Slots
 from services.remediator.store import Store
-from services.remediator.workqueue import WorkQueue
+from libs.runtime.workqueue import WorkQueue
 
 log = logging.getLogger("nodus.remediator")
 
@@ -73,7 +73,7 @@ class Remediator:
         self.replica = replica or f"remediator-{secrets.token_hex(3)}"
         self.clock = clock
         self.tick_seconds = tick_seconds
-        self.queue = WorkQueue(self.reconcile, workers)
+        self.queue = WorkQueue(self.reconcile, workers, log)
         self.store = Store(bus, self.queue.mark)
         self.slots = Slots(self.store, self.settings)
         self.breakers = Breakers(self.store, self.settings)

@@ -22,7 +22,7 @@ from services.placer.planner import Candidates, Exclusions, Planner
 # A client's default apply timeout (libs.client.Client.apply): replies slower than this would
 # have been errors for a user; the bench waits longer so it can measure them.
 CLIENT_DEFAULT_APPLY_TIMEOUT = 10.0
-# Sequential KV round trips one placement waits on in Placer._commit (get; leases; epoch;
+# Sequential KV round trips one placement waits on in services/placer/commit.py (get; leases; epoch;
 # join keys; job update; ranktable; event), Relayed claims not counted.
 SERIAL_KV_OPS_PER_PLACEMENT = 7
 
