@@ -11,7 +11,8 @@ from libs.contracts.fleet import NodeRecord
 from libs.contracts.jobs import Job, PathClass
 from libs.contracts.placer import PlacerConfig
 from services.placer.config import load_config
-from services.placer.planner import Exclusions, Plan, Planner, Shortfall, check_plan
+from services.placer.invariants import check_plan
+from services.placer.planner import Exclusions, Plan, Planner, Shortfall
 from tests.factories import job, machine, node_record
 
 BASE_CAPS = ["register", "heartbeat", "join-epoch"]

@@ -36,7 +36,8 @@ from libs.mesh import MeshIdentity
 from libs.runtime.tasks import TaskSet
 from services.placer.cluster import ClusterView
 from services.placer.environment import device_names, rank_environments
-from services.placer.planner import Exclusions, Plan, check_plan
+from services.placer.invariants import check_plan
+from services.placer.planner import Exclusions, Plan
 
 log = logging.getLogger("nodus.placer")
 

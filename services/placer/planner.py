@@ -8,7 +8,6 @@ path needs (C6), and one accelerator backend per gang (C5).
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -17,8 +16,7 @@ from libs.contracts.errors import ErrorCode
 from libs.contracts.fleet import Inventory, NodeRecord
 from libs.contracts.jobs import Job, PathClass
 from libs.contracts.placer import PlacerConfig
-
-MESH_NETWORK = ipaddress.IPv4Network("100.64.0.0/10")
+from services.placer.addresses import address_problem, ip_family, is_loopback, mesh_addresses
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,49 +52,6 @@ class Exclusions:
 
     nodes: set[str] = field(default_factory=set)
     addresses: set[str] = field(default_factory=set)
-
-
-def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The address, with IPv4-mapped IPv6 (::ffff:a.b.c.d) judged as the IPv4 it carries."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
-
-
-def address_problem(address: str) -> str | None:
-    """C4: an advertised address must be a real unicast address."""
-    ip = _ip(address)
-    if ip is None:
-        return f"{address!r} is not an IP address"
-    if ip.is_unspecified:
-        return f"{address} is unspecified"
-    if ip.is_multicast:
-        return f"{address} is multicast"
-    if isinstance(ip, ipaddress.IPv4Address) and ip == ipaddress.IPv4Address("255.255.255.255"):
-        return f"{address} is broadcast"
-    return None
-
-
-def is_loopback(address: str) -> bool:
-    ip = _ip(address)
-    return ip is not None and ip.is_loopback
-
-
-def ip_family(address: str) -> int:
-    ip = _ip(address)
-    return ip.version if ip is not None else 0
-
-
-def mesh_addresses(mesh_id: str, members: int) -> list[str]:
-    """Direct path: per-epoch addresses in 100.64.0.0/10, one /24 chosen by the mesh id."""
-    subnets = MESH_NETWORK.num_addresses // 256
-    subnet = int(mesh_id[:8], 16) % subnets
-    base = int(MESH_NETWORK.network_address) + subnet * 256
-    return [str(ipaddress.IPv4Address(base + rank + 1)) for rank in range(members)]
 
 
 def _matches(pattern: str, provider: str, offering: str) -> bool:
@@ -600,63 +555,3 @@ def _match_distinct(
         if not augment(slot, set()):
             return None
     return [chosen[slot] for slot in range(len(slots))]
-
-
-def check_plan(plan: Plan, records: dict[str, NodeRecord], job: Job) -> list[str]:
-    """Invariants every plan keeps (G3, G4, G6, G7, C4, C5); checked before a commit and by
-    the property tests."""
-    problems: list[str] = []
-    nodes = plan.nodes
-    inventories = [records[node].inventory for node in nodes]
-    if len(nodes) != job.spec.distributed.members:
-        problems.append(
-            f"plan has {len(nodes)} members, the job asks for {job.spec.distributed.members}"
-        )
-    if len(set(nodes)) != len(nodes):
-        problems.append("a machine appears twice in the gang (G3)")
-    addresses = [member.address for member in plan.members]
-    if len(set(addresses)) != len(addresses):
-        problems.append(f"duplicate advertised addresses {addresses} (G7, C4)")
-    for member in plan.members:
-        problem = address_problem(member.address)
-        if problem:
-            problems.append(f"rank {member.rank}: {problem} (C4)")
-    if len({ip_family(a) for a in addresses}) > 1:
-        problems.append(f"advertised addresses {addresses} mix IP families (C4)")
-    if any(is_loopback(a) for a in addresses):
-        namespaces = {inv.network_namespace for inv in inventories}
-        if len(namespaces) != 1 or "" in namespaces:
-            problems.append("loopback address in a gang that spans network namespaces (C4)")
-    if len({inv.accelerators.backend for inv in inventories}) > 1:
-        problems.append("members mix accelerator backends (C5)")
-    network = job.spec.distributed.network
-    if plan.path is PathClass.PRIVATE:
-        scopes = {(inv.provider, inv.region, inv.private_network) for inv in inventories}
-        if len(scopes) != 1 or any(inv.private_network is None for inv in inventories):
-            problems.append("Private gang outside one provider region's private network (G6)")
-    elif network == "Colocated" and len({(i.provider, i.region) for i in inventories}) != 1:
-        problems.append("Colocated gang spans provider regions (G4)")
-    elif network == "Regional" and len({i.region_class for i in inventories}) != 1:
-        problems.append("Regional gang spans region classes (G4)")
-    if plan.path is PathClass.DIRECT and any(inv.offering != "vm" for inv in inventories):
-        problems.append("Direct gang with a member that cannot create a WireGuard device (G6)")
-    if plan.path is PathClass.RELAYED:
-        if job.spec.distributed.transport != "Auto":
-            problems.append("Relayed gang for a job whose transport is Direct (G5)")
-        if (
-            all(inv.offering == "vm" for inv in inventories)
-            and job.status.path_override is not PathClass.RELAYED
-            and job.spec.qualify is None  # measuring Relayed between VMs is allowed
-        ):
-            problems.append("Relayed gang of VMs only: it should be Direct (G6)")
-    if plan.path is PathClass.DIRECT:
-        if not all(ipaddress.ip_address(a) in MESH_NETWORK for a in addresses):
-            problems.append("Direct addresses outside 100.64.0.0/10 (G7)")
-    else:
-        expected = [
-            inv.private_address if plan.path is PathClass.PRIVATE else inv.address
-            for inv in inventories
-        ]
-        if addresses != expected:
-            problems.append(f"advertised addresses {addresses} are not the members' own (G7)")
-    return problems

@@ -37,6 +37,7 @@ from libs.contracts.remediation import (
 )
 from libs.runtime.tasks import TaskSet
 from libs.runtime.version import VERSION
+from libs.runtime.workqueue import WorkQueue
 from services.remediator import guardrails, metrics
 from services.remediator.alerting import Alerting
 from services.remediator.alerts import AlertSettings
@@ -49,7 +50,6 @@ from services.remediator.provider import MachineProvider
 from services.remediator.repairs import Repairs
 from services.remediator.slots import Slots
 from services.remediator.store import Store
-from libs.runtime.workqueue import WorkQueue
 
 log = logging.getLogger("nodus.remediator")
 

@@ -15,7 +15,7 @@ from libs.contracts.base import now
 from libs.contracts.epochs import AddressClaim, Epoch, JoinKeyGrant, Lease, Ranktable
 from libs.contracts.jobs import ConditionType, Job, Phase
 from libs.mesh import verify_join_key
-from services.placer.planner import MESH_NETWORK
+from services.placer.addresses import MESH_NETWORK
 from tests.conftest import StartPlacer, eventually
 from tests.factories import job, machine, node_record, register
 

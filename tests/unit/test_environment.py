@@ -9,9 +9,11 @@ import pytest
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeRecord
 from libs.contracts.jobs import Job, PathClass
+from services.placer.addresses import mesh_addresses
 from services.placer.config import load_config
 from services.placer.environment import rank_environments
-from services.placer.planner import Plan, Planner, check_plan, mesh_addresses
+from services.placer.invariants import check_plan
+from services.placer.planner import Plan, Planner
 from tests.factories import job, machine, node_record
 
 SHIM = "/opt/nodus/lib/libnodus-netshim.so"

@@ -8,7 +8,7 @@ import ipaddress
 import pytest
 
 from libs.contracts.jobs import PathClass
-from services.placer.planner import MESH_NETWORK, address_problem, mesh_addresses
+from services.placer.addresses import MESH_NETWORK, address_problem, mesh_addresses
 from tests.planner_support import (
     auto,
     container,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from libs.contracts.fleet import NodeRecord
 from libs.contracts.jobs import PathClass
-from services.placer.planner import Plan, PlannedMember, check_plan
+from services.placer.invariants import check_plan
+from services.placer.planner import Plan, PlannedMember
 from tests.planner_support import auto, container, direct, must_place, vm
 
 # -- check_plan: the guard before a commit -----------------------------------------------------

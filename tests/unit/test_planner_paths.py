@@ -7,7 +7,7 @@ import ipaddress
 
 from libs.contracts.errors import ErrorCode
 from libs.contracts.jobs import PathClass
-from services.placer.planner import MESH_NETWORK
+from services.placer.addresses import MESH_NETWORK
 from tests.planner_support import (
     BASE_CAPS,
     auto,

@@ -23,7 +23,8 @@ from libs.contracts.jobs import Job, PathClass
 from libs.contracts.placer import PlacerConfig
 from services.placer.config import load_config
 from services.placer.environment import rank_environments
-from services.placer.planner import Exclusions, Planner, check_plan
+from services.placer.invariants import check_plan
+from services.placer.planner import Exclusions, Planner
 from tests.factories import job, machine, node_record
 
 SETTINGS = settings(
