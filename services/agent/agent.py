@@ -63,12 +63,12 @@ from services.agent.health import AgentHealth
 from services.agent.hostpower import DEFAULT_COMMAND as DEFAULT_REBOOT_COMMAND
 from services.agent.hostpower import HostPower, drain_ranks
 from services.agent.inventory import Described, capabilities_of, inventory_of
-from services.agent.private import PortRules, PrivateMember, ephemeral_range
+from services.agent.private.member import PortRules, PrivateMember, ephemeral_range
 from services.agent.wireguard import for_agent
 
 if TYPE_CHECKING:  # not imported at run time: their metrics are the dataplane processes'
     from services.agent.direct import DirectMember
-    from services.agent.member import RelayedMember
+    from services.agent.relayed.member import RelayedMember
 
 log = logging.getLogger("nodus.agent")
 

@@ -38,9 +38,9 @@ from services.agent import ice
 from services.agent.fallback import RelayFallback
 from services.agent.ice import IceFailed, Offer, PairIce
 from services.agent.introductions import introduced_peer
-from services.agent.member import live_relays
 from services.agent.nodus0 import Nodus0
 from services.agent.pairpath import HEARTBEAT_INTERVAL, PairPath
+from services.agent.relayed.member import live_relays
 from services.agent.wgport import Mapping, PortMap
 
 log = logging.getLogger("nodus.agent.direct")

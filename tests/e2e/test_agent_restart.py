@@ -35,7 +35,7 @@ from libs.client.client import Client
 from libs.contracts import names
 from libs.contracts.jobs import Job, Phase
 from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest
-from services.agent.private import PortRules
+from services.agent.private.member import PortRules
 from tests.e2e import relayed_lab
 from tests.e2e.joblogs import json_lines, rank_log
 from tests.e2e.netns_lab import lab_system

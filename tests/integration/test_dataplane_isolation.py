@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY
 
 from libs.bus import Bus
 from libs.runtime.tasks import cancel_and_wait
-from services.agent.tunnel import Tunnel
+from services.agent.relayed.tunnel import Tunnel
 from services.relay.relay import Relay
 from tests.conftest import eventually
 from tests.integration.conftest import Gang, Node, connected, enrol, known, metric, wg_shaped

@@ -16,9 +16,9 @@ import pytest
 
 from libs.bus import Bus
 from libs.bus.server import free_port
-from services.agent.socks import SocksFront
-from services.agent.tunnel import Tunnel
-from services.agent.wgdevice import WgDevice
+from services.agent.relayed.socks import SocksFront
+from services.agent.relayed.tunnel import Tunnel
+from services.agent.relayed.wgdevice import WgDevice
 from services.relay.relay import Relay
 from tests.conftest import eventually
 from tests.integration.conftest import MESH_KEY, Node, enrol, known, metric

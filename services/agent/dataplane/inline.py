@@ -9,7 +9,7 @@ from libs.bus import Bus
 from libs.contracts.dataplane import EpochState
 from libs.contracts.errors import ErrorCode, NodusError
 from services.agent.direct import FIRST_ROUND_WAIT, DirectMember
-from services.agent.member import RelayedMember
+from services.agent.relayed.member import RelayedMember
 
 
 class InlineDataplane:

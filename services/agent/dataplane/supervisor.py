@@ -283,10 +283,11 @@ def dataplane_families() -> list[Metric]:
     from prometheus_client import REGISTRY
     from prometheus_client.metrics import MetricWrapperBase
 
-    from services.agent import direct, fallback, socks, tunnel, wgdevice
+    from services.agent import direct, fallback
+    from services.agent.relayed import homing, sockets, socks, tunnel, wgdevice
 
     families: list[Metric] = []
-    for module in (direct, fallback, socks, tunnel, wgdevice):
+    for module in (direct, fallback, homing, sockets, socks, tunnel, wgdevice):
         for value in vars(module).values():
             if isinstance(value, MetricWrapperBase):
                 families.extend(value.describe())

@@ -12,7 +12,7 @@ from prometheus_client import Counter
 from libs.runtime.tasks import TaskSet
 from libs.socks5 import AddressType, ConnectRequest, Rejected, ReplyCode, ServerCodec
 from libs.socks5.server import read_request
-from services.agent.tunnel import StreamRefused, Tunnel
+from services.agent.relayed.tunnel import StreamRefused, Tunnel
 
 log = logging.getLogger("nodus.agent.socks")
 

@@ -17,9 +17,9 @@ from libs.contracts.relay import Member, RelayRecord
 from libs.runtime.tasks import cancel_and_wait
 from libs.wg import key_from_base64
 from services.agent.introductions import introduced_peer
-from services.agent.socks import SocksFront
-from services.agent.tunnel import Tunnel
-from services.agent.wgdevice import WgDevice
+from services.agent.relayed.socks import SocksFront
+from services.agent.relayed.tunnel import Tunnel
+from services.agent.relayed.wgdevice import WgDevice
 
 log = logging.getLogger("nodus.agent.member")
 

@@ -17,9 +17,8 @@ import logging
 import math
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 
 from libs.contracts.bounds import STREAM_WINDOW_BYTES
 from libs.relayproto.client import RelayClient
@@ -36,29 +35,20 @@ from libs.tunnel import (
     Reset,
     StreamOpened,
 )
-from services.agent.wgdevice import WgDevice
+from services.agent.relayed.homing import RelayHome
+from services.agent.relayed.sockets import STREAM_RESETS, Bridge, LocalSockets, Peer
+from services.agent.relayed.timers import Timers
+from services.agent.relayed.wgdevice import WgDevice
 
 log = logging.getLogger("nodus.agent.tunnel")
 
-FAILOVERS = Counter("nodus_agent_relay_failovers_total", "Moves to the other relay", ["node"])
-STREAMS = Gauge("nodus_agent_tunnel_streams", "TCP streams open in the tunnel", ["node"])
-STREAM_RESETS = Counter(
-    "nodus_agent_stream_resets_total",
-    "Streams reset, by reason (local_*: this side's socket; peer: the peer reset it; open_*: "
-    "an open that could not complete)",
-    ["node", "reason"],
-)
 LINK_ERRORS = Counter(
     "nodus_agent_link_errors_total", "Malformed link messages from peers", ["node"]
 )
 
 HIGH_WATER = 2 << 20  # bytes queued to the relay before local reads pause
 READ_SIZE = 256 * 1024
-# The timers run at their deadlines, at most this often (timers due together fire together;
-# an acknowledgement owed for what arrived waits at most this long, so acks batch).
-TICK = 0.02
 # A failed open or a reset carries a SOCKS5 reply code, which the shim maps to an errno.
-GENERAL_FAILURE = ReplyCode.GENERAL_FAILURE
 NOT_ALLOWED = ReplyCode.NOT_ALLOWED
 HOST_UNREACHABLE = ReplyCode.HOST_UNREACHABLE
 CONNECTION_REFUSED = ReplyCode.CONNECTION_REFUSED
@@ -78,34 +68,6 @@ class StreamRefused(Exception):
         self.code = code
 
 
-@dataclass
-class Peer:
-    node: str
-    address: str
-    key: bytes
-    link: Link
-    heard: float = 0.0  # monotonic time of the last message from the peer; 0: never yet
-
-
-@dataclass
-class Bridge:
-    """One stream spliced to a local socket."""
-
-    peer: Peer
-    stream: int
-    reader: asyncio.StreamReader | None = None
-    writer: asyncio.StreamWriter | None = None
-    opened: asyncio.Future[int] | None = None
-    credit: asyncio.Event = field(default_factory=asyncio.Event)
-    finished: asyncio.Event = field(default_factory=asyncio.Event)  # both directions closed
-    # Delivered, not yet written: at the end of the relay read, or (bytes the peer sent as soon
-    # as it accepted, at most the stream's credit window) once the socket is attached.
-    outbox: list[bytes] = field(default_factory=list)
-    written: int = 0  # delivered bytes written to the socket, not yet granted back
-    draining: bool = False
-    task: asyncio.Task[None] | None = None
-
-
 class Tunnel:
     def __init__(
         self,
@@ -122,8 +84,9 @@ class Tunnel:
         self.window = window
         self.peers_by_key: dict[bytes, Peer] = {}
         self.peers_by_address: dict[str, Peer] = {}
-        self.bridges: dict[tuple[bytes, int], Bridge] = {}
-        self.relays = [
+        self.sockets = LocalSockets(node, window, self._schedule_flush, self._background)
+        self.bridges = self.sockets.bridges
+        clients = [
             RelayClient(
                 name,
                 addr,
@@ -133,24 +96,19 @@ class Tunnel:
                 device.private_key,
                 device.public_key,
                 self._on_message,
-                self._on_presence,
-                self._write_out,
+                lambda relay: self.relays.presence(relay),
+                self.sockets.write_out,
             )
             for name, addr in relays
         ]
-        self.home: RelayClient | None = None
+        self.relays = RelayHome(node, clients, self._moved)
+        self.timers = Timers(self._next_deadline, self._fire_timers)
         self._writable = asyncio.Event()
         self._writable.set()
-        self._reachability = asyncio.Event()  # pulsed when a relay or a peer comes or goes
         self._flush_scheduled = False
-        self._touched: dict[tuple[bytes, int], Bridge] = {}  # bridges with an outbox to write
         # The relay connections, the timers, drains and inbound streams: a crash is logged.
         self._tasks = TaskSet("tunnel", log)
-        self._streams_gauge = STREAMS.labels(node)
         self._keepalive_at = 0.0  # when the links next say something (KEEPALIVE)
-        self._wake_at = math.inf  # when the timers sleep until
-        self._wake = asyncio.Event()  # set: a deadline earlier than _wake_at was armed
-        self.timer_wakeups = 0  # how often the timers woke (they sleep while nothing is due)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -162,18 +120,14 @@ class Tunnel:
         self.peers_by_key[key] = peer
         self.peers_by_address[address] = peer
         self.device.add_peer(key)
-        self._rearm()
+        self.timers.rearm()
 
     async def start(self) -> None:
-        for relay in self.relays:
-            self._tasks.spawn(
-                relay.keep(self._relay_up, self._relay_down, log), name=f"relay {relay.name}"
-            )
-        self._tasks.spawn(self._timers(), name="timers")
+        self.relays.keep(self._tasks)
+        self._tasks.spawn(self.timers.run(), name="timers")
 
     async def stop(self) -> None:
-        for relay in self.relays:
-            relay.close()
+        self.relays.close()
         for bridge in list(self.bridges.values()):
             if bridge.writer is not None:
                 bridge.writer.close()
@@ -182,59 +136,29 @@ class Tunnel:
         await cancel_and_wait([b.task for b in self.bridges.values() if b.task is not None])
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.home is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no relay reachable among {[r.address for r in self.relays]}")
-            await asyncio.sleep(0.02)
+        await self.relays.wait_ready(timeout)
+
+    @property
+    def home(self) -> RelayClient | None:
+        return self.relays.home
 
     @property
     def path(self) -> str:
-        return f"derp:{self.home.region}" if self.home is not None else "none"
+        return self.relays.path
 
-    # -- relays and failover -------------------------------------------------------------------
+    @property
+    def timer_wakeups(self) -> int:
+        return self.timers.wakeups
 
-    def _relay_up(self, relay: RelayClient) -> None:
-        if self.home is None:
-            self._make_home(relay, failover=False)
+    def reachable(self, peer: Peer) -> bool:
+        return self.relays.reaches(peer.key)
 
-    def _relay_down(self, relay: RelayClient) -> None:
-        if self.home is relay:
-            self._failover(relay)
-
-    def _make_home(self, relay: RelayClient, failover: bool) -> None:
-        self.home = relay
-        relay.home(failover)
+    def _moved(self) -> None:
+        """A relay became home: every link resends what was not acknowledged through it."""
         for peer in self.peers_by_key.values():
             peer.link.retransmit()
         self._writable.set()
-        self._pulse_reachability()
         self._schedule_flush()
-
-    def _failover(self, lost: RelayClient) -> None:
-        """Make-before-break: the other relay is already connected; move to it and resend."""
-        self.home = None
-        self._pulse_reachability()
-        for relay in self.relays:
-            if relay is not lost and relay.up:
-                FAILOVERS.labels(self.node).inc()
-                log.warning("relay %s lost; moving to %s", lost.name, relay.name)
-                self._make_home(relay, failover=True)
-                return
-        log.warning("relay %s lost and no other relay is up", lost.name)
-
-    def _on_presence(self, relay: RelayClient) -> None:
-        self._pulse_reachability()
-
-    def _pulse_reachability(self) -> None:
-        self._reachability.set()
-        self._reachability = asyncio.Event()
-
-    def reachable(self, peer: Peer) -> bool:
-        """A relay is home and can deliver to the peer (the peer is connected to it, or to a
-        relay it meshes with)."""
-        home = self.home
-        return home is not None and home.up and peer.key in home.present
 
     # -- sending -------------------------------------------------------------------------------
 
@@ -249,7 +173,7 @@ class Tunnel:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        home = self.home
+        home = self.relays.home
         now = time.monotonic()
         wire: list[tuple[bytes, bytes]] = []
         for peer in self.peers_by_key.values():
@@ -257,7 +181,7 @@ class Tunnel:
                 wire += self.device.send(peer.key, payload, now)
         if home is not None and wire:
             home.send_many(wire)  # one write for the lot
-        self._rearm()  # a send may start a handshake or arm a link's resend clock
+        self.timers.rearm()  # a send may start a handshake or arm a link's resend clock
         if home is not None and home.backlog() > HIGH_WATER and self._writable.is_set():
             self._writable.clear()
             self._background(self._drain(home))
@@ -267,33 +191,11 @@ class Tunnel:
         self._writable.set()
 
     def _send_wire(self, messages: list[tuple[bytes, bytes]]) -> None:
-        home = self.home
+        home = self.relays.home
         if home is None:
             return
         for dst, message in messages:
             home.send_now(dst, message)
-
-    async def _timers(self) -> None:
-        """Sleep until the next deadline (WireGuard's, a link's, the links' keepalive), at
-        most every TICK (the first time TICK after the start); `_rearm` wakes it when
-        something arms an earlier one."""
-        last = time.monotonic()
-        while True:
-            now = time.monotonic()
-            at = max(self._next_deadline(now), last + TICK)
-            if at - now > 1e-3:
-                self._wake_at = at
-                self._wake.clear()
-                try:
-                    async with asyncio.timeout(None if at == math.inf else at - now):
-                        await self._wake.wait()
-                except TimeoutError:
-                    pass
-                self.timer_wakeups += 1
-                continue
-            last = now
-            self._wake_at = math.inf
-            self._fire_timers(now)
 
     def _next_deadline(self, now: float) -> float:
         at = self._keepalive_at if self.peers_by_key else math.inf
@@ -305,11 +207,6 @@ class Tunnel:
             if link is not None:
                 at = min(at, link)
         return at
-
-    def _rearm(self) -> None:
-        """Something may have armed a deadline: wake the timers if it is earlier."""
-        if self._next_deadline(time.monotonic()) < self._wake_at:
-            self._wake.set()
 
     def _fire_timers(self, now: float) -> None:
         due = False
@@ -357,9 +254,7 @@ class Tunnel:
         if isinstance(event, Data):
             if bridge is None:
                 return
-            bridge.outbox.append(event.data)
-            if bridge.writer is not None:  # else written once `splice` attaches the socket
-                self._touched[key] = bridge
+            self.sockets.delivered(key, bridge, event.data)
         elif isinstance(event, CreditAvailable):
             if bridge is not None:
                 bridge.credit.set()
@@ -372,107 +267,18 @@ class Tunnel:
                 bridge.opened.set_result(0 if event.ok else event.code)
         elif isinstance(event, Closed):
             if bridge is not None and bridge.writer is not None:
-                self._write_bridge(bridge)
-                self._write_eof(bridge)
-            self._forget_if_done(peer, event.stream)
+                self.sockets.write(bridge)
+                self.sockets.write_eof(bridge)
+            self.sockets.forget_if_done(peer, event.stream)
         elif isinstance(event, Reset):
             if bridge is not None:
-                self._drop_bridge(bridge)
+                self.sockets.drop(bridge)
                 if bridge.opened is not None and not bridge.opened.done():
                     bridge.opened.set_result(event.code)
                 else:
                     STREAM_RESETS.labels(self.node, "peer").inc()
                     log.info("stream %d reset by %s (code %d)", event.stream, peer.node, event.code)
-        self._streams_gauge.set(len(self.bridges))
-
-    def _write_out(self) -> None:
-        """The end of one read from a relay: what it delivered goes to the local sockets, one
-        write per stream."""
-        touched, self._touched = self._touched, {}
-        for key, bridge in touched.items():
-            if self.bridges.get(key) is bridge:
-                self._write_bridge(bridge)
-
-    def _write_bridge(self, bridge: Bridge) -> None:
-        outbox = bridge.outbox
-        if not outbox:
-            return
-        bridge.outbox = []
-        writer = bridge.writer
-        assert writer is not None
-        if writer.transport.is_closing():
-            self.reset_stream(bridge, "local_closed")
-            return
-        try:
-            if len(outbox) == 1:
-                writer.write(outbox[0])
-            else:
-                writer.writelines(outbox)
-        except (RuntimeError, OSError):  # closed between the check and the write
-            self.reset_stream(bridge, "local_write_failed")
-            return
-        bridge.written += sum(len(data) for data in outbox)
-        self._grant(bridge)
-
-    def _write_eof(self, bridge: Bridge) -> None:
-        writer = bridge.writer
-        assert writer is not None
-        if writer.transport.is_closing():
-            return  # the local side is gone already; its own reader ends the stream
-        try:
-            if writer.can_write_eof():
-                writer.write_eof()
-        except (RuntimeError, OSError):
-            self.reset_stream(bridge, "local_closed")
-
-    def reset_stream(self, bridge: Bridge, reason: str, code: int = GENERAL_FAILURE) -> None:
-        """This stream alone failed on our side: RST to the peer, the local socket aborted."""
-        bridge.peer.link.reset(bridge.stream, code)
-        self._drop_bridge(bridge)
-        STREAM_RESETS.labels(self.node, reason).inc()
-        log.info("stream %d to %s reset: %s", bridge.stream, bridge.peer.node, reason)
-        self._schedule_flush()
-
-    def _drop_bridge(self, bridge: Bridge) -> None:
-        self.bridges.pop((bridge.peer.key, bridge.stream), None)
-        bridge.outbox = []
-        bridge.finished.set()
-        bridge.credit.set()
-        if bridge.writer is not None:
-            bridge.writer.transport.abort()
-        self._streams_gauge.set(len(self.bridges))
-
-    def _grant(self, bridge: Bridge) -> None:
-        """Give credit back once the bytes have left for the local socket."""
-        writer = bridge.writer
-        if writer is None:
-            return
-        if writer.transport.get_write_buffer_size() < self.window // 8:
-            bridge.peer.link.consumed(bridge.stream, bridge.written)
-            bridge.written = 0
-        elif not bridge.draining:
-            bridge.draining = True
-            self._background(self._grant_after_drain(bridge))
-
-    async def _grant_after_drain(self, bridge: Bridge) -> None:
-        try:
-            if bridge.writer is not None:
-                await bridge.writer.drain()
-        except (ConnectionError, RuntimeError):
-            return  # the socket is gone: its reader resets the stream
-        finally:
-            bridge.draining = False
-        bridge.peer.link.consumed(bridge.stream, bridge.written)
-        bridge.written = 0
-        self._schedule_flush()
-
-    def _forget_if_done(self, peer: Peer, stream: int) -> None:
-        if stream not in peer.link.streams:
-            bridge = self.bridges.pop((peer.key, stream), None)
-            if bridge is not None:
-                bridge.finished.set()
-                if bridge.writer is not None and bridge.task is None:
-                    bridge.writer.close()
+        self.sockets.counted()
 
     # -- streams -------------------------------------------------------------------------------
 
@@ -484,15 +290,12 @@ class Tunnel:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (FAILOVER_WAIT if peer.heard else JOIN_GRACE)
         while not self.reachable(peer):
-            elsewhere = any(r.up and peer.key in r.present for r in self.relays)
+            elsewhere = self.relays.reaches_elsewhere(peer.key)
             left = deadline - loop.time()
-            if left <= 0 or (peer.heard and self.home is not None and not elsewhere):
+            if left <= 0 or (peer.heard and self.relays.home is not None and not elsewhere):
                 STREAM_RESETS.labels(self.node, "open_unreachable").inc()
                 raise StreamRefused(HOST_UNREACHABLE)
-            try:
-                await asyncio.wait_for(self._reachability.wait(), left)
-            except TimeoutError:
-                pass
+            await self.relays.changed(left)
 
     async def connect(self, address: str, port: int, timeout: float = OPEN_TIMEOUT) -> Bridge:
         """Open a stream to `address:port` on a peer; StreamRefused carries the SOCKS code.
@@ -537,7 +340,7 @@ class Tunnel:
             self.bridges.pop((peer.key, stream), None)
             raise StreamRefused(code)
         bridge.credit.set()
-        self._streams_gauge.set(len(self.bridges))
+        self.sockets.counted()
         return bridge
 
     def _abandon_open(self, bridge: Bridge, reason: str, code: int) -> None:
@@ -555,12 +358,12 @@ class Tunnel:
     ) -> None:
         """Carry a local socket's bytes into the stream until it closes, starting with `first`
         (what the program sent before it was connected); the other direction is written as it
-        arrives (see _on_event)."""
+        arrives (see _on_event, LocalSockets)."""
         bridge.reader, bridge.writer = reader, writer
         bridge.task = asyncio.current_task()
-        self._write_bridge(bridge)  # what the peer sent before the socket was attached ...
+        self.sockets.write(bridge)  # what the peer sent before the socket was attached ...
         if bridge.peer.link.peer_finished(bridge.stream):
-            self._write_eof(bridge)  # ... and its FIN, if it came too
+            self.sockets.write_eof(bridge)  # ... and its FIN, if it came too
         peer, stream = bridge.peer, bridge.stream
         link = peer.link
         pending = first  # read from the local socket, not yet taken by the link
@@ -583,7 +386,7 @@ class Tunnel:
                     data = await reader.read(min(credit, READ_SIZE))
                 except OSError:  # reset by the local program (SO_LINGER 0) or a socket error
                     if (peer.key, stream) in self.bridges:
-                        self.reset_stream(bridge, "local_reset")
+                        self.sockets.reset(bridge, "local_reset")
                     return
                 if (peer.key, stream) not in self.bridges:
                     return  # reset while we read (by the peer, or a failed local write)
@@ -599,7 +402,7 @@ class Tunnel:
             bridge.task = None
             self.bridges.pop((peer.key, stream), None)
             writer.close()
-            self._streams_gauge.set(len(self.bridges))
+            self.sockets.counted()
 
     async def _inbound(self, bridge: Bridge, port: int) -> None:
         """A peer's stream: dial the port on this member's own advertised address (G14)."""
@@ -625,5 +428,5 @@ class Tunnel:
     def _refuse_inbound(self, bridge: Bridge, code: int) -> None:
         bridge.peer.link.refuse(bridge.stream, code)
         self.bridges.pop((bridge.peer.key, bridge.stream), None)
-        self._streams_gauge.set(len(self.bridges))
+        self.sockets.counted()
         self._schedule_flush()

@@ -1,0 +1,104 @@
+"""A member's two relays and which one is home: both kept connected, the home one carrying
+the tunnel; when it dies the tunnel moves to the other at once (make-before-break, G16) and
+whoever waits for a peer to be reachable is woken."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from prometheus_client import Counter
+
+from libs.relayproto.client import RelayClient
+from libs.runtime.tasks import TaskSet
+
+log = logging.getLogger("nodus.agent.tunnel")
+
+FAILOVERS = Counter("nodus_agent_relay_failovers_total", "Moves to the other relay", ["node"])
+
+
+class RelayHome:
+    def __init__(
+        self,
+        node: str,
+        relays: list[RelayClient],
+        moved: Callable[[], None],
+    ) -> None:
+        """`moved` runs once a relay became home: every link resends what is not acknowledged."""
+        self.node = node
+        self.relays = relays
+        self.home: RelayClient | None = None
+        self._moved = moved
+        self._reachability = asyncio.Event()  # pulsed when a relay or a peer comes or goes
+
+    def keep(self, tasks: TaskSet) -> None:
+        for relay in self.relays:
+            tasks.spawn(relay.keep(self._up, self._down, log), name=f"relay {relay.name}")
+
+    def close(self) -> None:
+        for relay in self.relays:
+            relay.close()
+
+    async def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.home is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no relay reachable among {[r.address for r in self.relays]}")
+            await asyncio.sleep(0.02)
+
+    @property
+    def path(self) -> str:
+        return f"derp:{self.home.region}" if self.home is not None else "none"
+
+    def reaches(self, key: bytes) -> bool:
+        """A relay is home and can deliver to the peer with `key` (the peer is connected to
+        it, or to a relay it meshes with)."""
+        home = self.home
+        return home is not None and home.up and key in home.present
+
+    def reaches_elsewhere(self, key: bytes) -> bool:
+        """Some connected relay, home or not, can deliver to the peer."""
+        return any(r.up and key in r.present for r in self.relays)
+
+    async def changed(self, timeout: float) -> None:
+        """Return when a relay or a peer comes or goes, or after `timeout`."""
+        try:
+            await asyncio.wait_for(self._reachability.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def presence(self, relay: RelayClient) -> None:
+        """A relay says who is connected to it (or its mesh) changed."""
+        self._pulse()
+
+    def _pulse(self) -> None:
+        self._reachability.set()
+        self._reachability = asyncio.Event()
+
+    def _up(self, relay: RelayClient) -> None:
+        if self.home is None:
+            self._make_home(relay, failover=False)
+
+    def _down(self, relay: RelayClient) -> None:
+        if self.home is relay:
+            self._failover(relay)
+
+    def _make_home(self, relay: RelayClient, failover: bool) -> None:
+        self.home = relay
+        relay.home(failover)
+        self._moved()
+        self._pulse()
+
+    def _failover(self, lost: RelayClient) -> None:
+        """Make-before-break: the other relay is already connected; move to it and resend."""
+        self.home = None
+        self._pulse()
+        for relay in self.relays:
+            if relay is not lost and relay.up:
+                FAILOVERS.labels(self.node).inc()
+                log.warning("relay %s lost; moving to %s", lost.name, relay.name)
+                self._make_home(relay, failover=True)
+                return
+        log.warning("relay %s lost and no other relay is up", lost.name)
