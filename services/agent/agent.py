@@ -17,8 +17,6 @@ import logging
 import tempfile
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,7 +24,7 @@ import msgspec
 from nats.errors import Error as NatsError
 from prometheus_client import REGISTRY, Counter, Gauge
 
-from libs.bus import Bus, Endpoint, EpochGuard
+from libs.bus import Bus, Endpoint
 from libs.contracts import names
 from libs.contracts.api import NodeInfoReply, NodeInfoRequest
 from libs.contracts.base import now
@@ -35,23 +33,20 @@ from libs.contracts.bounds import (
     HEARTBEATS_PER_TIMEOUT,
     TUNNEL_BUFFER_LIMIT_BYTES,
 )
-from libs.contracts.dataplane import DataplaneSpec, EpochState
-from libs.contracts.epochs import Epoch, EpochMember, JoinKeyGrant, JoinRedemption
+from libs.contracts.dataplane import EpochState
+from libs.contracts.epochs import JoinKeyGrant
 from libs.contracts.errors import ErrorCode, NodusError
-from libs.contracts.fleet import Machine, NodeHealth, NodeRecord, WireGuardInfo
+from libs.contracts.fleet import Machine, NodeRecord, WireGuardInfo
 from libs.contracts.jobs import PathClass
 from libs.contracts.lifecycle import JoinedEpoch, JoinedEpochsReply, JoinedEpochsRequest
 from libs.contracts.providers import HealthCheckRequest, HostRebootRequest
-from libs.contracts.relay import Member
 from libs.contracts.remediation import RebootReply, RebootRequest
-from libs.mesh import verify_join_key
-from libs.runtime.tasks import TaskSet, cancel_and_wait
+from libs.runtime.tasks import cancel_and_wait
 from libs.runtime.version import VERSION as AGENT_VERSION
-from libs.wg import generate_private_key, key_to_base64, public_key
+from libs.wg import generate_private_key
 from services.agent.boot import BootIdentity, machine_boot, new_lab_boot
 from services.agent.dataplane.store import EpochStore, Stored
 from services.agent.dataplane.supervisor import (
-    Dataplane,
     DataplaneMetrics,
     Launch,
     ProcessDataplane,
@@ -60,10 +55,13 @@ from services.agent.dataplane.supervisor import (
 )
 from services.agent.gangwork import GangWork
 from services.agent.health import AgentHealth
+from services.agent.heartbeat import Heartbeat
 from services.agent.hostpower import DEFAULT_COMMAND as DEFAULT_REBOOT_COMMAND
 from services.agent.hostpower import HostPower, drain_ranks
 from services.agent.inventory import Described, capabilities_of, inventory_of
-from services.agent.private.member import PortRules, PrivateMember, ephemeral_range
+from services.agent.localepochs import DATAPLANES, Host, LocalEpoch, LocalEpochs
+from services.agent.membership import Membership
+from services.agent.private.member import PrivateMember
 from services.agent.wireguard import for_agent
 
 if TYPE_CHECKING:  # not imported at run time: their metrics are the dataplane processes'
@@ -72,42 +70,12 @@ if TYPE_CHECKING:  # not imported at run time: their metrics are the dataplane p
 
 log = logging.getLogger("nodus.agent")
 
-HEARTBEATS = Counter("nodus_agent_heartbeats_total", "Heartbeats sent", ["node"])
 JOINS = Counter(
     "nodus_agent_epoch_joins_total", "Join keys handled by outcome", ["node", "outcome"]
-)
-DATAPLANES = Counter(
-    "nodus_agent_dataplanes_total",
-    "Epoch dataplanes by outcome (started, adopted, restarted, failed, killed: another boot's)",
-    ["node", "outcome"],
 )
 JOINED = Gauge("nodus_agent_joined_epochs", "Epochs this node is a member of", ["node"])
 
 RECONCILE_SECONDS = 3.0  # the periodic pass: what the watch missed, dataplanes that died
-RETRY_FIRST, RETRY_MOST = 1.0, 30.0  # a dataplane that keeps failing is started less often
-
-
-@dataclass
-class LocalEpoch:
-    """An epoch this node joined, as it runs here."""
-
-    state: EpochState
-    wg_private: bytes
-    since: float  # loop time it became local: a read of the bus older than this cannot end it
-    dataplane: Dataplane | None = None
-    private: PrivateMember | None = None
-    starting: asyncio.Task[None] | None = None
-    failures: int = 0
-    retry_at: float = 0.0
-    adopted: bool = False  # from disk: its member record and introductions are made sure of
-
-    @property
-    def gang(self) -> str:
-        return self.state.joined.gang
-
-    @property
-    def epoch(self) -> int:
-        return self.state.joined.epoch
 
 
 class Agent:
@@ -140,7 +108,6 @@ class Agent:
         else:  # a machine that described itself (O1)
             self.inventory, self.capabilities = machine.inventory, machine.capabilities
         self.node = self.inventory.node
-        self.heartbeat_seconds = heartbeat_seconds
         # Direct epochs get a nodus0 here: a VM's agent with its own network namespace (a
         # machine, or a machine of the lab); agents that share one namespace cannot.
         self.nodus0 = nodus0 and self.inventory.offering == "vm"
@@ -152,23 +119,15 @@ class Agent:
         self.socks_endpoint = socks_endpoint or names.SOCKS_ENDPOINT
         self.tunnel_buffer_limit_bytes = tunnel_buffer_limit_bytes
         self.nodes = bus.bucket(names.BUCKET_NODES, NodeRecord)
-        self.health = bus.bucket(names.BUCKET_HEALTH, NodeHealth)
-        self.epoch_records: dict[tuple[str, int], Epoch] = {}  # as the join keys brought them
-        self.peers = bus.bucket(names.BUCKET_PEERS, Member)
         self.joinkeys = bus.bucket(names.BUCKET_JOINKEYS, JoinKeyGrant)
-        self.redeemed = bus.bucket(names.BUCKET_REDEEMED, JoinRedemption)
-        self.joined: dict[str, JoinedEpoch] = {}  # joinkey key -> membership
-        self.guard = EpochGuard()  # the newest epoch joined per gang (C2)
-        self.members = bus.bucket(names.BUCKET_MEMBERS, Member)
+        self.heartbeat = Heartbeat(bus, self.node, lambda: self.boot_id, heartbeat_seconds)
+        self.membership = Membership(bus, self.node)
         # Desired: the join keys the bus holds for this node (joinkey key -> grant), and when
-        # the watch last said so. Observed: the epochs that run here.
+        # the watch last said so. Observed: the epochs that run here (self.epochs.local).
         self.grants: dict[str, JoinKeyGrant] = {}
         self._granted_at: dict[str, float] = {}
-        self.local: dict[str, LocalEpoch] = {}  # joinkey key -> the epoch as it runs here
         self._refused: dict[str, str] = {}  # joinkey key -> the token refused (not retried)
-        self.failing: dict[str, str] = {}  # joinkey key -> why it does not converge
         self._lock = asyncio.Lock()  # one reconcile step at a time
-        self._starting = TaskSet("agent dataplane start", log)
         self._tasks: list[asyncio.Task[None]] = []
         self.state_dir = state_dir
         if dataplanes is not None and state_dir is None:  # a process needs a directory
@@ -177,15 +136,26 @@ class Agent:
         # An agent without a state directory cannot start again on the same boot: nothing
         # of its epochs is kept.
         self.store = EpochStore(state_dir) if state_dir is not None else None
+        host = Host(self.node, self.inventory.address, self.socks_endpoint, self.nodus0, port_rules)
+        self.epochs = LocalEpochs(
+            bus,
+            host,
+            dataplanes,
+            self.store,
+            lambda: self.boot_id,
+            self.membership.member_of,
+            self.heartbeat.report_failing,
+        )
+        self.local = self.epochs.local
         self._metrics = DataplaneMetrics(
-            self._dataplane_sockets, dataplane_families() if dataplanes is not None else ()
+            self.epochs.sockets, dataplane_families() if dataplanes is not None else ()
         )
         self.gangs = GangWork(
             bus,
             self.node,
             state / "logs",
-            self._path_of,
-            self._joined_epoch,
+            self.epochs.path_of,
+            self.membership.joined_epoch,
             scratch_dir=state / "scratch" if state_dir else None,
         )
         # Repairs that reach the real machine (R18): in-band reboot (off unless enabled) and
@@ -199,50 +169,22 @@ class Agent:
         )
         self.health_check = AgentHealth(self.node, state)
 
-    async def _path_of(self, gang: str, epoch: int, peer: str) -> str | None:
-        """The path to `peer` the workload's bytes take now: the tunnel's relay on the
-        Relayed path; on the Direct path, once the pair's first checks ended, `direct` or
-        the relay that carries it."""
-        local = next((e for e in self.local.values() if (e.gang, e.epoch) == (gang, epoch)), None)
-        if local is None:
-            return None
-        if local.starting is not None and not local.starting.done():
-            await asyncio.wait({local.starting})  # the probe asked as the dataplane came up
-        if local.dataplane is None:
-            return None
-        try:
-            return await local.dataplane.path_to(peer)
-        except NodusError as error:  # the dataplane is away: the probe says so
-            log.warning("%s epoch %d: no path to %s: %s", gang, epoch, peer, error)
-            return None
-
     @property
     def relayed(self) -> dict[str, RelayedMember]:
         """The Relayed dataplanes that run in this process and are up (tests look inside)."""
-        return self._inline("relayed")  # type: ignore[return-value]
+        return self.epochs.inline("relayed")  # type: ignore[return-value]
 
     @property
     def direct(self) -> dict[str, DirectMember]:
-        return self._inline("direct")  # type: ignore[return-value]
+        return self.epochs.inline("direct")  # type: ignore[return-value]
 
     @property
     def private(self) -> dict[str, PrivateMember]:
         return {key: e.private for key, e in self.local.items() if e.private is not None}
 
-    def _inline(self, kind: str) -> dict[str, object]:
-        found: dict[str, object] = {}
-        for key, local in self.local.items():
-            dataplane = local.dataplane
-            if getattr(dataplane, "kind", None) == kind and getattr(dataplane, "ready", False):
-                found[key] = dataplane.runtime  # type: ignore[union-attr]
-        return found
-
-    def _dataplane_sockets(self) -> list[Path]:
-        return [
-            e.dataplane.socket
-            for e in list(self.local.values())
-            if isinstance(e.dataplane, ProcessDataplane)
-        ]
+    @property
+    def failing(self) -> dict[str, str]:
+        return self.heartbeat.failing
 
     def record(self) -> NodeRecord:
         return NodeRecord(
@@ -289,10 +231,10 @@ class Agent:
         if self.nodus0:
             self.wireguard = await for_agent(self.node)
         await self.nodes.put(self.node, self.record())
-        await self._beat()
+        await self.heartbeat.beat()
         await self._reconcile_all()  # before the first heartbeat interval: fenced ones stop
         self._tasks = [
-            asyncio.create_task(self._heartbeats()),
+            asyncio.create_task(self.heartbeat.run()),
             asyncio.create_task(self._watch_grants()),
             asyncio.create_task(self._reconcile_periodically()),
         ]
@@ -303,7 +245,7 @@ class Agent:
         daemon, O4): the ranks, the dataplane processes and the port rules stay for the next
         agent, which re-adopts them. Otherwise everything of this agent's epochs ends."""
         await cancel_and_wait(self._tasks)
-        await self._starting.close()
+        await self.epochs.close()
         if self.launch is not None:
             try:
                 REGISTRY.unregister(self._metrics)
@@ -315,7 +257,7 @@ class Agent:
                 if local.dataplane is not None:
                     await local.dataplane.detach()
                 continue
-            await self._stop_local(local)
+            await self.epochs.stop(local)
             if self.store is not None:
                 self.store.remove(key)
         self.local.clear()
@@ -341,7 +283,7 @@ class Agent:
             return RebootReply(node=self.node, boot_id="")
         self.boot = BootIdentity(str(uuid.uuid4()), simulated=True)
         await self.nodes.put(self.node, self.record())
-        await self._beat()
+        await self.heartbeat.beat()
         return RebootReply(node=self.node, boot_id=self.boot_id)
 
     async def info(self, _: NodeInfoRequest) -> NodeInfoReply:
@@ -349,7 +291,7 @@ class Agent:
 
     async def epochs_joined(self, _: JoinedEpochsRequest) -> JoinedEpochsReply:
         epochs = []
-        for key, joined in list(self.joined.items()):
+        for key, joined in list(self.membership.joined.items()):
             local = self.local.get(key)
             home = None
             if local is not None and local.dataplane is not None:
@@ -361,38 +303,6 @@ class Agent:
                 joined = msgspec.structs.replace(joined, path=home[0], relay=home[1])
             epochs.append(joined)
         return JoinedEpochsReply(node=self.node, epochs=epochs)
-
-    async def _beat(self) -> None:
-        beat = NodeHealth(
-            node=self.node,
-            healthy=True,
-            heartbeat_time=now(),
-            boot_id=self.boot_id,
-            failing=[self.failing[key] for key in sorted(self.failing)],
-        )
-        await self.health.put(self.node, beat)
-        HEARTBEATS.labels(self.node).inc()
-
-    async def _report_failing(self, key: str, line: str | None) -> None:
-        """What does not converge, said in the node's status at once, not at the next beat."""
-        if self.failing.get(key) == line:
-            return
-        if line is None:
-            self.failing.pop(key, None)
-        else:
-            self.failing[key] = line
-        try:
-            await self._beat()
-        except Exception as error:  # the next heartbeat carries it
-            log.warning("heartbeat failed: %s", error)
-
-    async def _heartbeats(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_seconds)
-            try:
-                await self._beat()
-            except Exception as error:  # the bus reconnects; keep beating
-                log.warning("heartbeat failed: %s", error)
 
     # -- the reconcile loop ----------------------------------------------------------------
 
@@ -443,14 +353,14 @@ class Agent:
                     await self._leave(key, local)
                 elif key in self.failing:  # a refused key, gone: nothing left to say
                     self._refused.pop(key, None)
-                    await self._report_failing(key, None)
+                    await self.heartbeat.report_failing(key, None)
             elif local is None:
                 assert grant is not None
                 if self._refused.get(key) != grant.token:
                     await self._join_grant(key, grant)
             else:
                 await self._keep(key, local)
-            JOINED.labels(self.node).set(len(self.joined))
+            JOINED.labels(self.node).set(len(self.membership.joined))
 
     async def _join_grant(self, key: str, grant: JoinKeyGrant) -> None:
         try:
@@ -466,26 +376,21 @@ class Agent:
                 )
             else:
                 log.warning("join refused: %s", error)
-            await self._report_failing(key, f"join of {key} refused: {error}")
+            await self.heartbeat.report_failing(key, f"join of {key} refused: {error}")
             return
         local = self.local[key]
         JOINS.labels(self.node, "joined").inc()
         log.info("joined %s epoch %d as rank %d", local.gang, local.epoch, local.state.joined.rank)
-        self._start(key, local, "started")
+        self.epochs.start(key, local, "started")
 
     async def _keep(self, key: str, local: LocalEpoch) -> None:
         """A live epoch that runs here: its records made sure of once after adoption, its
         dataplane started again if it is not running (same key, with a growing pause)."""
         if local.adopted:
             local.adopted = False
-            member = self._member_of(local.state.epoch)
             try:
-                await self._register_member(
-                    local.state.epoch,
-                    member,
-                    local.wg_private,
-                    local.state.joined_time,
-                    again=True,
+                await self.membership.register(
+                    local.state.epoch, local.wg_private, local.state.joined_time, again=True
                 )
             except NodusError as error:
                 log.warning("%s epoch %d: %s", local.gang, local.epoch, error)
@@ -513,7 +418,7 @@ class Agent:
             except NodusError as error:
                 log.warning("%s epoch %d: %s", local.gang, local.epoch, error)
                 return
-        self._start(key, local, outcome)
+        self.epochs.start(key, local, outcome)
 
     async def _rekey(self, key: str, local: LocalEpoch) -> None:
         """A Relayed dataplane starting again (it died, or ran inside the agent before this
@@ -529,8 +434,7 @@ class Agent:
         if self.store is not None:
             await asyncio.to_thread(self.store.save, state, private)
         local.state, local.wg_private = state, private
-        member = self._member_of(state.epoch)
-        await self._register_member(state.epoch, member, private, t, again=True)
+        await self.membership.register(state.epoch, private, t, again=True)
         log.info("%s epoch %d: a fresh WireGuard key for its tunnel", local.gang, local.epoch)
 
     async def _still_granted(self, key: str) -> bool:
@@ -549,30 +453,15 @@ class Agent:
         """The epoch is fenced or ended (its key deleted), maybe while no agent ran: its ranks,
         dataplane and port rules stop, and nothing of it stays (G9)."""
         await self.gangs.stop_epoch(local.gang, local.epoch)
-        await self._forget_introductions(local.gang, local.epoch)
-        await self._stop_local(local)
+        await self.membership.forget_introductions(local.gang, local.epoch)
+        await self.epochs.stop(local)
         self.local.pop(key, None)
-        self.joined.pop(key, None)
-        self.epoch_records.pop((local.gang, local.epoch), None)
+        self.membership.forget(key, local.gang, local.epoch)
         self._refused.pop(key, None)
         if self.store is not None:
             self.store.remove(key)
         log.info("left %s epoch %d", local.gang, local.epoch)
-        await self._report_failing(key, None)
-
-    async def _stop_local(self, local: LocalEpoch) -> None:
-        if local.starting is not None and not local.starting.done():
-            local.starting.cancel()  # the epoch ended while its dataplane started
-            try:
-                await local.starting
-            except BaseException:  # its end is the point
-                pass
-        if local.dataplane is not None:
-            await local.dataplane.stop()
-            local.dataplane = None
-        if local.private is not None:
-            await local.private.stop()
-            local.private = None
+        await self.heartbeat.report_failing(key, None)
 
     # -- what is on disk ---------------------------------------------------------------------
 
@@ -603,7 +492,7 @@ class Agent:
         """A lab reboot leaves the kernel (and its port rules) in place: remove them."""
         epoch = stored.state.epoch
         if epoch.path is PathClass.PRIVATE and self.port_rules and self.boot.simulated:
-            await PrivateMember(self._port_rules(epoch)).stop()
+            await PrivateMember(self.epochs.port_rules(epoch)).stop()
 
     def _adopt(self, stored: Stored) -> None:
         state = stored.state
@@ -611,9 +500,8 @@ class Agent:
             state, stored.wg_private, asyncio.get_running_loop().time(), adopted=True
         )
         self.local[state.key] = local
-        self.epoch_records[(state.joined.gang, state.joined.epoch)] = state.epoch
-        self.joined[state.key] = state.joined
-        self.guard.advance(state.joined.gang, state.joined.epoch)
+        self.membership.remember(state.key, state.epoch, state.joined)
+        self.membership.guard.advance(state.joined.gang, state.joined.epoch)
         if state.dataplane is not None and stored.process is not None:
             if self.launch is not None and self.store is not None:
                 local.dataplane = ProcessDataplane.adopt(self.store, state.key, stored.process)
@@ -622,216 +510,18 @@ class Agent:
             elif kill_stale(stored.process):  # this agent runs dataplanes in its own process
                 log.info("%s: its dataplane process stopped; it runs here now", state.key)
         if state.epoch.path is PathClass.PRIVATE and self.port_rules:
-            local.private = PrivateMember(self._port_rules(state.epoch))
-            self._starting.spawn(local.private.adopt(), name=f"port rules {state.key}")
+            local.private = PrivateMember(self.epochs.port_rules(state.epoch))
+            self.epochs.spawn(local.private.adopt(), name=f"port rules {state.key}")
         log.info("%s epoch %d: adopted from disk", state.joined.gang, state.joined.epoch)
 
-    async def _introduce(self, epoch: Epoch, record: Member) -> None:
-        """This member's record for each peer, addressed to it: peers read only what is
-        addressed to them (S1)."""
-        try:
-            await asyncio.gather(
-                *(
-                    self.peers.put(
-                        names.peer_key(epoch.gang, epoch.epoch, m.node, self.node), record
-                    )
-                    for m in epoch.members
-                    if m.node != self.node
-                )
-            )
-        except (NatsError, OSError, TimeoutError) as error:
-            raise NodusError(
-                ErrorCode.JOURNAL_UNAVAILABLE,
-                f"{epoch.gang} epoch {epoch.epoch}: cannot introduce {self.node} to its "
-                f"peers: {error!r}",
-            ) from None
-
-    async def _forget_introductions(self, gang: str, epoch: int) -> None:
-        record = self.epoch_records.get((gang, epoch))
-        if record is None:
-            return
-        for m in record.members:
-            if m.node != self.node:
-                try:
-                    await self.peers.delete(names.peer_key(gang, epoch, m.node, self.node))
-                except (NodusError, NatsError, OSError, TimeoutError) as error:
-                    log.info("%s epoch %d: its introductions stay: %s", gang, epoch, error)
-                    return
-
-    async def _register_member(
-        self,
-        epoch: Epoch,
-        member: EpochMember,
-        private: bytes,
-        joined_time: datetime,
-        again: bool = False,
-    ) -> None:
-        """This epoch's WireGuard key, bound to this node once (relays admit only it, S2),
-        recorded and introduced to the peers. `again`, after an adoption (the agent before may
-        have died half-way): the same record put again, byte for byte (only this node may
-        write its key, and it reads no members: a create would ask what is there)."""
-        record = Member(
-            gang=epoch.gang,
-            epoch=epoch.epoch,
-            node=self.node,
-            rank=member.rank,
-            address=member.address,
-            wg_public_key=key_to_base64(public_key(private)),
-            joined_time=joined_time,
-        )
-        key = names.member_key(epoch.gang, epoch.epoch, self.node)
-        try:
-            if again:
-                await self.members.put(key, record)
-            elif await self.members.create(key, record) is None:
-                raise NodusError(
-                    ErrorCode.CONFLICT,
-                    f"{self.node} already holds a key in {epoch.gang} epoch {epoch.epoch}",
-                )
-        except (NatsError, OSError, TimeoutError) as error:
-            raise NodusError(
-                ErrorCode.JOURNAL_UNAVAILABLE, f"{key}: the member record not written: {error!r}"
-            ) from None
-        await self._introduce(epoch, record)
-
-    def _joined_epoch(self, gang: str, epoch: int) -> Epoch:
-        """An epoch this node holds a key of, as the key brought it. One it left (its key was
-        deleted: fenced) or that a newer one replaced is stale (the guard remembers)."""
-        record = self.epoch_records.get((gang, epoch))
-        current = self.guard.current(gang)
-        if current is not None and (epoch < current or (record is None and epoch == current)):
-            raise NodusError(ErrorCode.STALE_EPOCH, f"{gang} epoch {epoch} is fenced")
-        if record is None:
-            raise NodusError(
-                ErrorCode.EPOCH_MISMATCH, f"{self.node} holds no join key of {gang} epoch {epoch}"
-            )
-        return record
-
     # -- joining and dataplanes --------------------------------------------------------------
-
-    def _member_of(self, epoch: Epoch) -> EpochMember:
-        member = next((m for m in epoch.members if m.node == self.node), None)
-        if member is None:
-            raise NodusError(ErrorCode.INVALID, f"{self.node} is not a member of {epoch.gang}")
-        return member
-
-    def _port_rules(self, epoch: Epoch) -> PortRules:
-        member = self._member_of(epoch)
-        return PortRules(
-            gang=epoch.gang,
-            epoch=epoch.epoch,
-            interface=member.interface,
-            members=tuple(m.address for m in epoch.members if m.node != self.node),
-            rendezvous_port=int(member.env.get("MASTER_PORT", "29500")),
-            ephemeral=ephemeral_range(),
-        )
-
-    def _dataplane_spec(self, epoch: Epoch) -> DataplaneSpec | None:
-        """On the Relayed path: the tunnel through the relays and the SOCKS5 entry (G14); on
-        the Direct path: nodus0 and ICE with every peer (G7, G11). The Private path's port
-        rules are kernel state the agent writes itself (G22)."""
-        if epoch.path is PathClass.RELAYED:
-            return DataplaneSpec(kind="relayed", node=self.node, socks_listen=self.socks_endpoint)
-        if epoch.path is PathClass.DIRECT and self.nodus0:
-            return DataplaneSpec(kind="direct", node=self.node, underlay=self.inventory.address)
-        return None
-
-    def _start(self, key: str, local: LocalEpoch, outcome: str) -> None:
-        local.starting = self._starting.spawn(
-            self._run_dataplane(key, local, outcome),
-            name=f"dataplane {local.gang} epoch {local.epoch}",
-        )
-
-    async def _run_dataplane(self, key: str, local: LocalEpoch, outcome: str) -> None:
-        """Start one epoch's dataplane. One that cannot start is this epoch's failure, not the
-        agent's: said, tried again later (the reconcile), and left to the probe, which fails
-        the epoch (G12)."""
-        try:
-            if local.state.epoch.path is PathClass.PRIVATE and self.port_rules:
-                private = PrivateMember(self._port_rules(local.state.epoch))
-                await private.start()
-                local.private = private
-                return
-            if local.state.dataplane is None:
-                return
-            dataplane = self._new_dataplane(key, local)
-            local.dataplane = dataplane
-            try:
-                await dataplane.start()
-            except BaseException:
-                if local.dataplane is dataplane:
-                    local.dataplane = None
-                await dataplane.stop()
-                raise
-            local.failures = 0
-            DATAPLANES.labels(self.node, outcome).inc()
-            await self._report_failing(key, None)
-        except (NodusError, OSError, TimeoutError) as error:
-            local.failures += 1
-            pause = min(RETRY_MOST, RETRY_FIRST * 2 ** (local.failures - 1))
-            local.retry_at = asyncio.get_running_loop().time() + pause
-            DATAPLANES.labels(self.node, "failed").inc()
-            said = (
-                f"{local.gang} epoch {local.epoch}: the dataplane did not start "
-                f"({local.failures} tries, the next in {pause:.0f} s): {error}"
-            )
-            log.warning("%s", said)
-            await self._report_failing(key, said)
-        finally:
-            local.starting = None
-
-    def _new_dataplane(self, key: str, local: LocalEpoch) -> Dataplane:
-        if self.launch is not None and self.store is not None:
-            return ProcessDataplane.spawn(self.launch, self.store, key, self.boot_id)
-        # Imported here: the agent daemon runs dataplanes in processes, and their metric
-        # families must be the processes' alone on its /metrics.
-        from services.agent.dataplane.inline import InlineDataplane
-
-        return InlineDataplane.build(self.bus, local.state, local.wg_private)
-
-    def _verify(self, grant: JoinKeyGrant) -> tuple[Epoch, EpochMember, str]:
-        """The grant's key checked against the epoch it brings: signed by the epoch's mesh
-        identity, for this node, not stale, not fenced (C2, G9); its nonce."""
-        claims = verify_join_key(grant.token, grant.verify_key, now())
-        current = self.guard.current(claims.gang)
-        if current is not None and claims.epoch < current:
-            raise NodusError(
-                ErrorCode.STALE_EPOCH,
-                f"{claims.gang}: join key for epoch {claims.epoch}, this node is on epoch {current}",
-            )
-        if claims.node != self.node:
-            raise NodusError(
-                ErrorCode.INVALID, f"join key names node {claims.node}, not {self.node}"
-            )
-        epoch = grant.epoch
-        if epoch is None or (epoch.gang, epoch.epoch) != (claims.gang, claims.epoch):
-            raise NodusError(
-                ErrorCode.EPOCH_MISMATCH,
-                f"the grant of {claims.gang} epoch {claims.epoch} brings no such epoch",
-            )
-        if epoch.fenced:
-            raise NodusError(ErrorCode.STALE_EPOCH, f"{claims.gang} epoch {claims.epoch} is fenced")
-        if epoch.verify_key != grant.verify_key or epoch.mesh_id != claims.mesh_id:
-            raise NodusError(
-                ErrorCode.INVALID, "join key was not signed by the epoch's mesh identity"
-            )
-        return epoch, self._member_of(epoch), claims.nonce
 
     async def _join(self, grant: JoinKeyGrant, key: str | None = None) -> None:
         """Verify the key against the persisted epoch, use it once, and keep what the next
         agent needs on disk before the key is announced: an agent killed at any point after
         finds the epoch there (or never redeemed it)."""
-        epoch, member, nonce = self._verify(grant)
+        epoch, member, t = await self.membership.redeem(grant)
         key = key or names.joinkey_key(self.node, epoch.gang, epoch.epoch)
-        t = now()
-        redemption = JoinRedemption(
-            gang=epoch.gang, epoch=epoch.epoch, node=self.node, redeemed_time=t
-        )
-        if await self.redeemed.create(names.redeemed_key(self.node, nonce), redemption) is None:
-            raise NodusError(
-                ErrorCode.CONFLICT,
-                f"join key for {epoch.gang} epoch {epoch.epoch} was already used",
-            )
         private = generate_private_key()
         joined = JoinedEpoch(
             gang=epoch.gang, epoch=epoch.epoch, rank=member.rank, address=member.address
@@ -841,22 +531,20 @@ class Agent:
             epoch=epoch,
             joined=joined,
             joined_time=t,
-            dataplane=self._dataplane_spec(epoch),
+            dataplane=self.epochs.spec(epoch),
         )
         if self.store is not None:
             await asyncio.to_thread(self.store.save, state, private)
         local = LocalEpoch(state, private, asyncio.get_running_loop().time())
         # The probe and the launch ask for it as soon as the member record below is seen.
         self.local[key] = local
-        self.epoch_records[(epoch.gang, epoch.epoch)] = epoch
-        self.joined[key] = joined
+        self.membership.remember(key, epoch, joined)
         try:
-            await self._register_member(epoch, member, private, t)
+            await self.membership.register(epoch, private, t)
         except BaseException:
             self.local.pop(key, None)
-            self.joined.pop(key, None)
-            self.epoch_records.pop((epoch.gang, epoch.epoch), None)
+            self.membership.forget(key, epoch.gang, epoch.epoch)
             if self.store is not None:
                 self.store.remove(key)
             raise
-        self.guard.advance(epoch.gang, epoch.epoch)
+        self.membership.guard.advance(epoch.gang, epoch.epoch)
