@@ -11,6 +11,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from app.lab import faults
+from app.lab.provider import LocalProvider
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
@@ -27,13 +29,12 @@ from libs.contracts.remediation import (
     SignalReport,
 )
 from services.agent.agent import Agent
-from services.remediator import faults
-from services.remediator.detectors.machine import MachinePaths
+from services.monitor.detectors.machine import MachinePaths
+from services.monitor.monitor import Monitor
+from services.monitor.ondemand import Diagnostics
 from services.remediator.guardrails import Settings
 from services.remediator.main import BUCKETS
-from services.remediator.monitor import Monitor
-from services.remediator.ondemand import Diagnostics
-from services.remediator.provider import LocalProvider, MachineProvider
+from services.remediator.provider import MachineProvider
 from services.remediator.service import Remediator
 from tests.factories import machine
 

@@ -4,13 +4,23 @@ has `build_parser(parser)` (its flags; `--nats`, credentials and metrics from li
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 from app.cli.common import Command
+from app.lab import faults
+from app.lab.provider import LocalProvider
 from services.agent import main as agent
+from services.monitor import monitor
 from services.placer import main as placer
 from services.prober import main as prober
 from services.relay import main as relay
 from services.remediator import main as remediator
-from services.remediator import monitor
+
+
+def simulate_machine(directory: Path, gpus: int) -> None:
+    faults.ensure_baseline(directory, gpus=gpus)
+
 
 JOB_DAEMONS = [
     Command("placer", "daemon: admission and placement", placer.build_parser, placer.run),
@@ -24,8 +34,17 @@ JOB_DAEMONS = [
     ),
 ]
 REPAIR_DAEMONS = [
-    Command("remediator", "daemon: automated node repair", remediator.build_parser, remediator.run),
+    # The lab's machine provider and machines are handed in: no service imports the lab.
     Command(
-        "monitor", "daemon: the fault detectors of machines", monitor.build_parser, monitor.run
+        "remediator",
+        "daemon: automated node repair",
+        remediator.build_parser,
+        functools.partial(remediator.run, lab=LocalProvider),
+    ),
+    Command(
+        "monitor",
+        "daemon: the fault detectors of machines",
+        monitor.build_parser,
+        functools.partial(monitor.run, simulate=simulate_machine),
     ),
 ]

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from app.cli.common import Command, group
-from services.remediator import faults
+from app.lab import faults
 
 # -- faults --------------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ re-adopts what it left running; a reboot is a new boot, and the placer ends its 
 
 On a real machine the boot id is the kernel's (`/proc/sys/kernel/random/boot_id`, a new random
 UUID at every boot). A machine of the lab (several on one kernel) keeps a boot id of its own in
-its state directory (`boot_id`), which the lab's reboot (`services.remediator.faults.reboot`)
+its state directory (`boot_id`), which the lab's reboot (`app.lab.faults.reboot`)
 writes anew."""
 
 from __future__ import annotations

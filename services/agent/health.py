@@ -1,7 +1,7 @@
 """The agent's own health check, answered on the machine for the remediator's revalidation
 (R15, R18): the agent answers from the boot it runs on, and its state directory takes a write
 (a root filesystem gone read-only fails it). The detectors' part is the machine's monitor's
-(`services.remediator.ondemand`)."""
+(`services.monitor.ondemand`)."""
 
 from __future__ import annotations
 

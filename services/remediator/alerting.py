@@ -11,12 +11,12 @@ from typing import Any
 
 from libs.contracts import names
 from libs.contracts.remediation import Alert, AlertState, SignalReport
+from libs.faults.catalog import breaks_workload_rule
 from libs.jobs.lifecycle import FAULT_BROKE_MEMBER
 from libs.jobs.store import restart_gang
 from services.remediator import alerts as alert_rules
 from services.remediator import decide, guardrails, ladder, metrics
 from services.remediator.alerts import AlertSettings, Placement
-from services.remediator.catalog import breaks_workload_rule
 from services.remediator.store import Store
 
 

@@ -24,7 +24,7 @@ from libs.contracts.remediation import (
     Finding,
     SignalReport,
 )
-from services.remediator.catalog import meaning
+from libs.faults.catalog import meaning
 
 _UNSAFE = re.compile(r"[^a-z0-9-]+")
 

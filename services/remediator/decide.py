@@ -14,8 +14,8 @@ from libs.contracts.remediation import (
     Ladder,
     Recommendation,
 )
+from libs.faults.catalog import breaks_workload_rule
 from services.remediator import ladder as ladders
-from services.remediator.catalog import breaks_workload_rule
 from services.remediator.guardrails import Settings, persisted
 
 

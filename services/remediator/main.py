@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import secrets
 from datetime import timedelta
@@ -15,6 +16,7 @@ from libs.contracts.base import now as utc_now
 from libs.runtime import add_common_flags, run_daemon
 from services.remediator.alerts import AlertSettings
 from services.remediator.guardrails import Settings
+from services.remediator.provider import LabProviderFactory
 from services.remediator.providers.config import load_config
 from services.remediator.providers.router import PoolProviders
 from services.remediator.service import Remediator
@@ -113,7 +115,9 @@ def settings_of(args: argparse.Namespace) -> Settings:
     )
 
 
-async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
+async def _body(
+    args: argparse.Namespace, stop: asyncio.Event, lab: LabProviderFactory | None = None
+) -> None:
     config = load_config(args.config)  # a bad file stops the daemon before it connects (S3)
     replica = args.replica or f"remediator-{secrets.token_hex(3)}"
     bus = await Bus.open(
@@ -125,7 +129,7 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
     )
     remediator = Remediator(
         bus,
-        PoolProviders(bus, config, args.state_dir, replica, utc_now),
+        PoolProviders(bus, config, args.state_dir, replica, utc_now, lab=lab),
         settings_of(args),
         replica=replica,
         alert_settings=AlertSettings(flap_memory=timedelta(seconds=args.flap_memory_seconds)),
@@ -139,5 +143,6 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await bus.close()
 
 
-def run(args: argparse.Namespace) -> int:
-    return run_daemon("remediator", args, _body)
+def run(args: argparse.Namespace, lab: LabProviderFactory | None = None) -> int:
+    """`lab`: the lab's machine provider, for pools whose provider is `local` (nodus up)."""
+    return run_daemon("remediator", args, functools.partial(_body, lab=lab))

@@ -10,11 +10,6 @@ SIGNALS_DROPPED = Counter(
     "Signal reports dropped: stale, or naming another node than their key (S1, S3)",
     ["reason"],
 )
-MALFORMED_INPUTS = Counter(
-    "nodus_remediator_malformed_inputs_total",
-    "Detector inputs skipped as malformed (S3)",
-    ["detector"],
-)
 ALERTS = Counter("nodus_remediator_alerts_total", "Alert transitions", ["kind", "state"])
 ALERTS_FIRING = Gauge("nodus_remediator_alerts_firing", "Alerts firing now")
 RECOMMENDATIONS = Gauge("nodus_remediator_recommendations", "Recommendations now")
@@ -48,33 +43,4 @@ DECISION_SECONDS = Histogram(
 MEMBERS_LOST = Counter(
     "nodus_remediator_members_lost_total",
     "Running gangs whose epoch a fault ended at once: it broke what a member runs on (R17)",
-)
-
-# -- the monitor (`nodus monitor`) ---------------------------------------------------------------
-
-KMSG_RECORDS = Counter(
-    "nodus_monitor_kmsg_records_total", "Kernel log records read from /dev/kmsg (new ones)"
-)
-KMSG_SKIPPED = Counter(
-    "nodus_monitor_kmsg_skipped_records_total",
-    "Kernel log records skipped as read before (by this monitor before a restart)",
-)
-KMSG_OVERWRITTEN = Counter(
-    "nodus_monitor_kmsg_overwritten_total",
-    "Reads of /dev/kmsg that found records overwritten before they were read (EPIPE)",
-)
-KMSG_MISSED = Counter(
-    "nodus_monitor_kmsg_missed_records_total",
-    "Kernel log records of this boot never read: overwritten first (sequence number gaps)",
-)
-SOURCE_SECONDS = Histogram(
-    "nodus_monitor_source_read_seconds",
-    "Time to read one detector source of one machine",
-    ["source"],
-    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
-)
-SOURCE_OVERRUNS = Counter(
-    "nodus_monitor_source_overruns_total",
-    "Scans that skipped a source still reading past its bound (the other sources went on)",
-    ["source"],
 )

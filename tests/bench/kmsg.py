@@ -35,15 +35,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from app.lab import faults
 from libs.bus import Bus
 from libs.bus.server import NatsServer
 from libs.contracts import names
 from libs.contracts.remediation import SignalReport
-from services.remediator import faults
-from services.remediator.detectors.kmsg import KernelLog
-from services.remediator.detectors.kmsgdevice import KmsgDevice
-from services.remediator.detectors.kmsgrecords import MAX_RECORD, parse_record
-from services.remediator.detectors.machine import MachineDetectors, MachinePaths
+from services.monitor.detectors.kmsg import KernelLog
+from services.monitor.detectors.kmsgdevice import KmsgDevice
+from services.monitor.detectors.kmsgrecords import MAX_RECORD, parse_record
+from services.monitor.detectors.machine import MachineDetectors, MachinePaths
 from tests.kmsg_support import (
     KMSG,
     MonitorProcess,

@@ -85,7 +85,7 @@ def quantiles(samples: list[float]) -> dict[str, float]:
 
 def scrape(port: int) -> dict[str, float]:
     """The remediator's own figures from its /metrics."""
-    from services.remediator.detectors import prom
+    from services.monitor.detectors import prom
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()

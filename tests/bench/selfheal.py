@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.lab import faults
 from app.local import LocalSystem
 from libs.bus import Bus
 from libs.bus.server import free_port
@@ -36,7 +37,6 @@ from libs.contracts.remediation import (
     Remediation,
     RemediationState,
 )
-from services.remediator import faults
 from tests.bench.running import (
     add_run_flags,
     bench_main,

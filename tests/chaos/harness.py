@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from app.demo import lab_unavailable
+from app.lab import faults
 from app.local import LocalSystem
 from libs.bus import Bus
 from libs.bus.server import NatsCluster
@@ -51,7 +52,6 @@ from libs.contracts.jobs import FINISHED_PHASES as FINAL
 from libs.contracts.jobs import Job, PathClass, Phase
 from libs.contracts.remediation import Action, Alert, AlertState, Policy, Remediation
 from services.prober.billing import SWEEP_SECONDS as LATE_USAGE_SWEEP_SECONDS
-from services.remediator import faults
 from tests.e2e.daemon_logs import DaemonLogs
 
 KINDS = ("nats", "placer", "prober", "remediator", "relay", "agent", "pause")

@@ -27,13 +27,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from app.lab import faults
 from libs.bus import Bus
 from libs.bus.server import NatsServer
 from libs.contracts import names
 from libs.contracts.remediation import Alert, AlertKind, AlertState, KmsgCursor, SignalReport
-from services.remediator import faults
+from services.monitor.detectors.kmsgdevice import read_boot_id
 from services.remediator.alerts import alert_id
-from services.remediator.detectors.kmsgdevice import read_boot_id
 from services.remediator.main import BUCKETS as REMEDIATOR_BUCKETS
 from tests.e2e.daemon_logs import DaemonLogs
 from tests.kmsg_support import (

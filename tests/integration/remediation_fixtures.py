@@ -33,7 +33,7 @@ async def approve(bus: Bus, ident: str, who: str = "alice") -> RemediationReply:
 
 
 def faults_clear(fleet: Fleet, node: str, kind: str) -> None:
-    from services.remediator import faults
+    from app.lab import faults
 
     faults.clear(fleet.machine_dir(node), kind)
 

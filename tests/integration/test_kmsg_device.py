@@ -14,9 +14,9 @@ import msgspec
 import pytest
 
 from libs.contracts.remediation import KmsgCursor
-from services.remediator.detectors.kmsg import KernelLog
-from services.remediator.detectors.kmsgdevice import KmsgDevice, read_boot_id
-from services.remediator.detectors.machine import MachineDetectors, MachinePaths
+from services.monitor.detectors.kmsg import KernelLog
+from services.monitor.detectors.kmsgdevice import KmsgDevice, read_boot_id
+from services.monitor.detectors.machine import MachineDetectors, MachinePaths
 from tests.kmsg_support import KMSG, kmsg_writable, random_pci, write_record, xid_record
 
 pytestmark = pytest.mark.skipif(kmsg_writable() is not None, reason=str(kmsg_writable()))

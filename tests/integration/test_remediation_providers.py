@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from app.lab import faults
+from app.lab.provider import LocalProvider
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
@@ -34,7 +36,6 @@ from libs.contracts.remediation import (
     RemediationReply,
     RemediationState,
 )
-from services.remediator import faults
 from services.remediator.main import BUCKETS
 from services.remediator.provider import MachineProvider, ProviderError
 from services.remediator.providers.router import PoolProviders
@@ -49,7 +50,9 @@ def recorder(path: Path) -> list[str]:
 
 def providers(fleet: Fleet, config: RemediatorConfig) -> Callable[[Bus, str], MachineProvider]:
     def build(bus: Bus, replica: str) -> MachineProvider:
-        return PoolProviders(bus, config, fleet.state_dir, replica, fleet.clock, 5.0)
+        return PoolProviders(
+            bus, config, fleet.state_dir, replica, fleet.clock, 5.0, lab=LocalProvider
+        )
 
     return build
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from app.lab import faults
+from app.lab.provider import LocalProvider
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.providers import (
@@ -24,7 +26,6 @@ from libs.contracts.providers import (
 )
 from libs.contracts.remediation import Action, Outcome, Policy, RebootRequest, RemediationState
 from libs.runtime.tasks import cancel_and_wait
-from services.remediator import faults
 from services.remediator.provider import MachineProvider, ProviderError
 from services.remediator.providers.router import PoolProviders
 from tests.integration.redfish_emulator import Emulator, emulator_fixture  # noqa: F401
@@ -62,7 +63,9 @@ def redfish(
 
 def providers(fleet: Fleet, config: RemediatorConfig) -> Callable[[Bus, str], MachineProvider]:
     def build(bus: Bus, replica: str) -> MachineProvider:
-        return PoolProviders(bus, config, fleet.state_dir, replica, fleet.clock, 5.0)
+        return PoolProviders(
+            bus, config, fleet.state_dir, replica, fleet.clock, 5.0, lab=LocalProvider
+        )
 
     return build
 

@@ -16,15 +16,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libs.contracts.remediation import AlertKind, KmsgCursor, SeenEvent
-from services.remediator.detectors.kmsg import KernelLog
-from services.remediator.detectors.kmsgrecords import (
+from services.monitor.detectors.kmsg import KernelLog
+from services.monitor.detectors.kmsgrecords import (
     MAX_RECORD,
     KmsgRecord,
     KmsgStream,
     MalformedRecord,
     parse_record,
 )
-from services.remediator.sourcereader import Overrun, SourceReader
+from services.monitor.sourcereader import Overrun, SourceReader
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 XID = b"NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=python3, GPU has fallen off the bus."

@@ -13,20 +13,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libs.contracts.remediation import Action, AlertKind
-from services.remediator.catalog import meaning, xid_entry
-from services.remediator.detectors import prom
-from services.remediator.detectors.dcgm import Dcgm
-from services.remediator.detectors.infiniband import (
+from libs.faults.catalog import meaning, xid_entry
+from services.monitor.detectors import prom
+from services.monitor.detectors.dcgm import Dcgm
+from services.monitor.detectors.infiniband import (
     Infiniband,
     Malformed,
     PortSample,
     parse_state,
     read_ports,
 )
-from services.remediator.detectors.kmsg import KernelLog, parse_line
-from services.remediator.detectors.machine import MachineDetectors, MachinePaths, diagnose
-from services.remediator.detectors.npd import NodeProblems
-from services.remediator.detectors.reachability import Reachability, heartbeat
+from services.monitor.detectors.kmsg import KernelLog, parse_line
+from services.monitor.detectors.machine import MachineDetectors, MachinePaths, diagnose
+from services.monitor.detectors.npd import NodeProblems
+from services.monitor.detectors.reachability import Reachability, heartbeat
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 

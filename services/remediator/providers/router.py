@@ -21,7 +21,7 @@ from libs.contracts.providers import (
     RemediatorConfig,
 )
 from libs.contracts.remediation import Action, MachineState, Remediation
-from services.remediator.provider import LocalProvider, ProviderError
+from services.remediator.provider import LabProviderFactory, MachineProvider, ProviderError
 from services.remediator.providers import revalidation
 from services.remediator.providers.execcmd import ExecProvider
 from services.remediator.providers.inband import InbandProvider
@@ -51,6 +51,7 @@ class PoolProviders:
         replica: str,
         clock: Callable[[], datetime],
         revalidation_timeout: float = 30.0,
+        lab: LabProviderFactory | None = None,
     ) -> None:
         self.bus = bus
         self.config = config
@@ -61,7 +62,8 @@ class PoolProviders:
         self.ledger = Ledger(bus, replica, clock)
         # Built once at start: a missing credentials file stops the remediator with its reason.
         self.acts: dict[tuple[str, ProviderKind], _Acts] = {}
-        self.local: LocalProvider | None = None
+        self.local: MachineProvider | None = None
+        self._lab = lab
         for pool, entry in config.providers.items():
             for kind in {entry.kind, *entry.actions.values()}:
                 self.acts[(pool, kind)] = self._build(pool, entry, kind, state_dir, clock)
@@ -81,8 +83,13 @@ class PoolProviders:
         clock: Callable[[], datetime],
     ) -> _Acts:
         if kind is ProviderKind.LOCAL:
+            if self._lab is None:
+                raise ValueError(
+                    f"pool {pool!r}: the local provider is the lab's (nodus up); this "
+                    "remediator was started without it: give the pool a real provider"
+                )
             if self.local is None:
-                self.local = LocalProvider(self.bus, state_dir, clock)
+                self.local = self._lab(self.bus, state_dir, clock)
             return self.local
         if kind is ProviderKind.INBAND:
             return InbandProvider(self.bus, self.ledger, entry.inband)

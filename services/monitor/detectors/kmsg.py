@@ -28,7 +28,7 @@ from libs.contracts.remediation import (
     SeenEvent,
     Severity,
 )
-from services.remediator.catalog import xid_entry
+from libs.faults.catalog import xid_entry
 
 MAX_LINE = 4096
 

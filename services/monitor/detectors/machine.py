@@ -18,12 +18,12 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from libs.contracts.remediation import Action, Finding
-from services.remediator.catalog import meaning
-from services.remediator.detectors.dcgm import Dcgm
-from services.remediator.detectors.infiniband import Infiniband, read_ports
-from services.remediator.detectors.kmsg import KernelLog
-from services.remediator.detectors.kmsgdevice import KmsgDevice, is_record_device
-from services.remediator.detectors.npd import NodeProblems
+from libs.faults.catalog import meaning
+from services.monitor.detectors.dcgm import Dcgm
+from services.monitor.detectors.infiniband import Infiniband, read_ports
+from services.monitor.detectors.kmsg import KernelLog
+from services.monitor.detectors.kmsgdevice import KmsgDevice, is_record_device
+from services.monitor.detectors.npd import NodeProblems
 
 log = logging.getLogger("nodus.monitor")
 

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.remediator.detectors import prom
-from services.remediator.detectors.dcgm import (
+from services.monitor import monitor
+from services.monitor.detectors import prom
+from services.monitor.detectors.dcgm import (
     DBE_VOLATILE,
     ROW_REMAP_FAILURE,
     ROW_REMAP_PENDING,
@@ -52,7 +53,7 @@ STICKY = "faults.sticky"  # JSON lines: faults that are hardware (survive reboot
 SCRATCH = "scratch"  # the machine's local disk for its ranks (NODUS_SCRATCH_DIR)
 # A machine's data, not its detector inputs: never copied through a rebuild's staging.
 UNSTAGED = ("logs", SCRATCH)
-BLACKHOLE = "blackhole"  # the simulated network partition the host monitor's probe honours
+BLACKHOLE = monitor.BLACKHOLE  # the simulated network partition the reachability probe honours
 
 XID_MESSAGES = {
     13: "Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0): Out Of Range Address",

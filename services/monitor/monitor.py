@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -34,22 +35,27 @@ from libs.contracts.remediation import Finding, SignalReport
 from libs.runtime import add_common_flags, run_daemon
 from libs.runtime.tasks import cancel_and_wait
 from libs.runtime.version import VERSION
-from services.remediator import faults, metrics
-from services.remediator.detectors.kmsgdevice import is_record_device
-from services.remediator.detectors.machine import (
+from services.monitor import metrics
+from services.monitor.detectors.kmsgdevice import is_record_device
+from services.monitor.detectors.machine import (
     SOURCES,
     MachineDetectors,
     MachinePaths,
     default_kmsg_cursor,
 )
-from services.remediator.detectors.reachability import Reachability, heartbeat
-from services.remediator.ondemand import Diagnostics
-from services.remediator.sourcereader import Overrun, SourceReader
+from services.monitor.detectors.reachability import Reachability, heartbeat
+from services.monitor.ondemand import Diagnostics
+from services.monitor.sourcereader import Overrun, SourceReader
 
 log = logging.getLogger("nodus.monitor")
 
 SOURCE_TIMEOUT_SECONDS = 5.0  # one source's read, before the scan goes on without it
 KMSG_BATCH_SECONDS = 0.02  # after a wake-up, let a burst of records gather before reading
+# In a lab machine's directory: the simulated network partition the reachability probe honours.
+BLACKHOLE = "blackhole"
+
+# The lab's: write a healthy machine's inputs where missing (directory, its GPUs).
+Simulate = Callable[[Path, int], None]
 
 
 def _wake(future: asyncio.Future[None]) -> None:
@@ -351,7 +357,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_SECONDS)
 
 
-def machines_of(args: argparse.Namespace) -> tuple[dict[str, MachinePaths], dict[str, Path]]:
+def machines_of(
+    args: argparse.Namespace, simulate: Simulate | None = None
+) -> tuple[dict[str, MachinePaths], dict[str, Path]]:
     if args.node:
         return {
             args.node: MachinePaths(
@@ -372,14 +380,18 @@ def machines_of(args: argparse.Namespace) -> tuple[dict[str, MachinePaths], dict
     for machine in fleet.machines:
         directory = args.state_dir / "machines" / machine.name
         if args.simulate:
-            faults.ensure_baseline(directory, gpus=max(1, machine.accelerators.count))
+            if simulate is None:
+                raise ValueError("--simulate is the lab's: run it as `nodus monitor`")
+            simulate(directory, max(1, machine.accelerators.count))
         machines[machine.name] = MachinePaths.under(directory)
-        blackholes[machine.name] = directory / faults.BLACKHOLE
+        blackholes[machine.name] = directory / BLACKHOLE
     return machines, blackholes
 
 
-async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    machines, blackholes = machines_of(args)
+async def _body(
+    args: argparse.Namespace, stop: asyncio.Event, simulate: Simulate | None = None
+) -> None:
+    machines, blackholes = machines_of(args, simulate)
     bus = await Bus.open(
         args.nats,
         name="nodus-monitor",
@@ -411,8 +423,9 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await bus.close()
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, simulate: Simulate | None = None) -> int:
+    """`simulate`: how `--simulate` writes a lab machine's inputs (handed in by the lab)."""
     if not args.node and args.state_dir is None:
         print("nodus monitor: give --state-dir (a local fleet) or --node (one machine)")
         return 2
-    return run_daemon("monitor", args, _body)
+    return run_daemon("monitor", args, functools.partial(_body, simulate=simulate))

@@ -13,7 +13,7 @@ from libs.bus import Endpoint
 from libs.contracts import names
 from libs.contracts.base import now as utc_now
 from libs.contracts.providers import HealthCheckReply, HealthCheckRequest
-from services.remediator.detectors.machine import SOURCES, MachinePaths, diagnose
+from services.monitor.detectors.machine import SOURCES, MachinePaths, diagnose
 
 DIAGNOSE_SECONDS = 20.0  # the remediator waits 30 s for the answer
 

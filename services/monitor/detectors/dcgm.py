@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from libs.contracts.remediation import AlertKind, Evidence, Finding, Severity
-from services.remediator.catalog import KINDS
-from services.remediator.detectors import prom
+from libs.faults.catalog import KINDS
+from services.monitor.detectors import prom
 
 DBE_VOLATILE = "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"
 ROW_REMAP_FAILURE = "DCGM_FI_DEV_ROW_REMAP_FAILURE"

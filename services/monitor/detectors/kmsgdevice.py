@@ -29,9 +29,9 @@ from pathlib import Path
 import msgspec
 
 from libs.contracts.remediation import KmsgCursor
-from services.remediator import metrics
-from services.remediator.detectors.kmsg import MAX_LINE, KernelLog, may_matter
-from services.remediator.detectors.kmsgrecords import MAX_RECORD, KmsgStream
+from services.monitor import metrics
+from services.monitor.detectors.kmsg import MAX_LINE, KernelLog, may_matter
+from services.monitor.detectors.kmsgrecords import MAX_RECORD, KmsgStream
 
 log = logging.getLogger("nodus.monitor.kmsg")
 
