@@ -17,7 +17,7 @@ import pytest
 from libs.contracts import names
 from libs.contracts.jobs import ConditionType, Job, Phase
 from libs.contracts.lifecycle import ProbeRecord, RankStatus
-from tests.e2e.test_gang_lifecycle import SLEEPER, ended, local_system, vm_in_vpc, wait_job
+from tests.e2e.gang_system import SLEEPER, ended, local_system, vm_in_vpc, wait_job
 from tests.factories import job
 
 pytestmark = pytest.mark.slow
