@@ -54,6 +54,8 @@ ROUND_WAIT = 8.0  # a later round: the peer starts it within a heartbeat or two
 SETTLE_WAIT = 10.0  # after our checks succeeded, how long the peer may take to finish its own
 FIRST_ROUND_WAIT = OFFER_WAIT + ice.CHECK_TIMEOUT + SETTLE_WAIT + 5.0
 RECONCILE_INTERVAL = 1.0  # endpoints set again if WireGuard roamed away from the chosen path
+SESSION_KICK = 1.0  # the initiator starts a handshake again while none completed by then,
+SESSION_KICK_MOST = 8.0  # and again after twice as long each time, up to this
 
 PAIR_PATH = Gauge(
     "nodus_agent_pair_direct",
@@ -78,12 +80,20 @@ class _Pair:
     key: bytes
     path: PairPath
     relay_endpoint: str
+    initiator: bool  # this side's WireGuard starts the pair's handshakes (`_open_session`)
     direct_endpoint: str | None = None
     found: ice.Path | None = None  # what the last round that joined found
     endpoint: str | None = None  # what WireGuard was last told
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     first_round: asyncio.Event = field(default_factory=asyncio.Event)
+    session: asyncio.Event = field(default_factory=asyncio.Event)  # the peer was heard
     failure: str = ""
+
+    @property
+    def sends(self) -> bool:
+        """Whether this side sends over `nodus0` yet: the initiator at once, the other side
+        once it heard the initiator (a session is up, and its packets start none)."""
+        return self.initiator or self.session.is_set()
 
 
 class DirectMember:
@@ -145,14 +155,17 @@ class DirectMember:
         return self.fallback.path if self.fallback is not None else "none"
 
     async def first_round(self, peer: str, timeout: float = FIRST_ROUND_WAIT) -> None:
-        """Until the pair's first round of checks ended (its path is what it will be)."""
+        """Until the pair's first round of checks ended (its path is what it will be, and
+        WireGuard was told) and the peer was heard over `nodus0` (the pair carries)."""
         deadline = asyncio.get_running_loop().time() + timeout
         while peer not in self.pairs:
             if asyncio.get_running_loop().time() > deadline:
                 return
             await asyncio.sleep(0.05)
+        pair = self.pairs[peer]
         try:
-            await asyncio.wait_for(self.pairs[peer].first_round.wait(), timeout)
+            await asyncio.wait_for(pair.first_round.wait(), timeout)
+            await asyncio.wait_for(pair.session.wait(), deadline - _clock())
         except TimeoutError:
             pass
 
@@ -241,10 +254,11 @@ class DirectMember:
                 continue
             assert self.fallback is not None
             relay_endpoint = await self.fallback.endpoint(key)
-            pair = _Pair(peer, key, PairPath(_clock()), relay_endpoint)
+            pair = _Pair(peer, key, PairPath(_clock()), relay_endpoint, self.node < peer.node)
             self.pairs[peer.node] = pair
             self._by_address[peer.address] = pair
             self._pairs.spawn(self._run_pair(pair), name=f"pair {peer.node}")
+            self._pairs.spawn(self._open_session(pair), name=f"session {peer.node}")
 
     async def _watch_offers(self) -> None:
         """The rounds the peers start: a peer's higher round is joined (pairpath)."""
@@ -268,8 +282,10 @@ class DirectMember:
             if found is not None:
                 pair.direct_endpoint = f"{found.remote[0]}:{found.remote[1]}"
                 pair.found = found
-            pair.first_round.set()
             await self._set_endpoint(pair)
+            if pair.path.direct:  # the first datagram that opens the path on this side
+                self._beat(pair)
+            pair.first_round.set()
             self._publish()
             next_round = None
             while next_round is None:
@@ -385,6 +401,46 @@ class DirectMember:
 
     # -- WireGuard's endpoints ---------------------------------------------------------------
 
+    async def _open_session(self, pair: _Pair) -> None:
+        """WireGuard's first handshake with the peer, started by one side only.
+
+        Both sides set the peer at the same moment when an epoch starts, and each WireGuard
+        would send an initiation at once (the keepalive, the first heartbeat). Initiations
+        that cross leave no session: each side answers the other's, which drops its own,
+        and then ignores the answer to it ("invalid response"); WireGuard tries again only
+        after REKEY_TIMEOUT (5 s), and the pair carries nothing until then. So the side
+        that controls the checks (the smaller name) initiates; the other one sends nothing
+        (no keepalive, no heartbeats) until it heard the initiator over `nodus0`. An
+        initiation can be lost too (the peer has no pair for us yet, the relay was not up):
+        while no handshake completed, the initiator sets the peer afresh after SESSION_KICK
+        (then backing off), which sends a new one at once instead of after 5 s."""
+        wait = SESSION_KICK
+        while True:
+            try:
+                await asyncio.wait_for(pair.session.wait(), wait)
+                break
+            except TimeoutError:
+                pass
+            if not pair.initiator or pair.endpoint is None:
+                continue
+            try:
+                seen = (await self.device.state()).peers.get(pair.key)
+                if seen is not None and seen.last_handshake > 0:
+                    continue  # a session is up: the peer's heartbeats are on their way
+                await self.device.configure(
+                    DeviceConfig(peers=(PeerConfig(pair.key, remove=True),))
+                )
+            except (NodusError, UapiError) as error:
+                log.warning("%s: no handshake yet, and nodus0 refused: %s", pair.peer.node, error)
+                continue
+            log.info("%s: no WireGuard handshake yet; starting one again", pair.peer.node)
+            wait = min(wait * 2, SESSION_KICK_MOST)
+            pair.endpoint = None
+            await self._set_endpoint(pair)
+        if not pair.initiator:  # its keepalive on, now that it starts no handshake
+            pair.endpoint = None
+            await self._set_endpoint(pair)
+
     def _wanted_endpoint(self, pair: _Pair) -> str:
         if pair.path.direct and pair.direct_endpoint is not None:
             return pair.direct_endpoint
@@ -395,7 +451,8 @@ class DirectMember:
         PAIR_PATH.labels(self.node, pair.peer.node).set(1 if pair.path.direct else 0)
         if endpoint == pair.endpoint:
             return
-        peer = PeerConfig(pair.key, (f"{pair.peer.address}/32",), endpoint, KEEPALIVE)
+        keepalive = KEEPALIVE if pair.sends else 0
+        peer = PeerConfig(pair.key, (f"{pair.peer.address}/32",), endpoint, keepalive)
         try:
             await self.device.configure(DeviceConfig(peers=(peer,)))
         except (NodusError, UapiError) as error:  # this pair's peer: the others go on
@@ -428,9 +485,16 @@ class DirectMember:
             transport = self._heartbeats
             if transport is not None:
                 for pair in list(self.pairs.values()):
-                    beat = PathHeartbeat(round=pair.path.round, direct=pair.path.direct)
-                    transport.sendto(msgspec.json.encode(beat), (pair.peer.address, HEARTBEAT_PORT))
+                    self._beat(pair)
             await asyncio.sleep(HEARTBEAT_INTERVAL)
+
+    def _beat(self, pair: _Pair) -> None:
+        """One heartbeat to the peer, over `nodus0` (once this side sends there)."""
+        transport = self._heartbeats
+        if transport is None or not pair.sends:
+            return
+        beat = PathHeartbeat(round=pair.path.round, direct=pair.path.direct)
+        transport.sendto(msgspec.json.encode(beat), (pair.peer.address, HEARTBEAT_PORT))
 
     def heard(self, address: str, data: bytes) -> None:
         pair = self._by_address.get(address)
@@ -442,6 +506,7 @@ class DirectMember:
             log.debug("a malformed heartbeat from %s", address)
             return
         pair.path.heartbeat(_clock(), beat.round, beat.direct)
+        pair.session.set()
         if beat.round > pair.path.round:
             pair.wake.set()
 

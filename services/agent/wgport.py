@@ -7,6 +7,10 @@ that peer (from the listen port, to the peer's address) to the checks' address a
 conntrack maps the peer's answers back to the listen port. The rule goes in before
 WireGuard's endpoint is set, so its first datagram already leaves from the checks' port,
 and the NAT mapping the checks made carries on (kept open by WireGuard's keepalives).
+A datagram the peer sends first (its side switched a moment earlier, or it sends before
+this side has anything to send) is taken in the same way: a second rule hands what comes
+from the peer's address to the checks' port over to the listen port, and the flow it opens
+is the one the rewrite would have made, so either side may open the path.
 
 The whole table is written in one nftables transaction each time, so the rules are never
 half-applied.
@@ -35,19 +39,20 @@ def render(table: str, listen_port: int, mappings: dict[str, Mapping]) -> str:
         f'snat ip to {m.local[0]}:{m.local[1]} comment "{peer}"\n'
         for peer, m in sorted(mappings.items())
     )
-    # The peer punches too: a datagram of its that arrives before ours left would start a
-    # flow of its own on the checks' port, and the rewrite would then pick another port.
+    # The peer's datagram that arrives before ours left: to WireGuard as well. Dropping it
+    # instead (a flow of its own on the checks' port would make the rewrite pick another
+    # port) would leave the pair carrying nothing until this side happened to send.
     early = "".join(
         f"    ip saddr {m.remote[0]} udp sport {m.remote[1]} udp dport {m.local[1]} "
-        f'ct state new drop comment "{peer}"\n'
+        f'dnat ip to {m.local[0]}:{listen_port} comment "{peer}"\n'
         for peer, m in sorted(mappings.items())
     )
     return (
         f"table ip {table} {{}}\n"
-        f"flush table ip {table}\n"
+        f"delete table ip {table}\n"  # its chains too: an older agent's may be of another type
         f"table ip {table} {{\n"
         "  chain prerouting {\n"
-        "    type filter hook prerouting priority filter; policy accept;\n"
+        "    type nat hook prerouting priority dstnat; policy accept;\n"
         f"{early}"
         "  }\n"
         "  chain postrouting {\n"

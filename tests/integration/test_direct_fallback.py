@@ -2,7 +2,8 @@
 VM behind its provider's NAT); UDP is cut in one VM's namespace in the middle of the run, so
 the direct path is gone, and the relay carrying the pair is SIGKILLed while it does (the
 other, meshed relay takes over); then UDP is restored. iperf3 exits 0 with bytes moving
-while the relays carried the pair, before and after the kill; both members say
+in every second but those in which the cut was being noticed (before the cut, while the
+relays carried the pair, around the kill, after the restore); both members say
 `derp:<region>` within 10 s of the cut, and `direct` again once UDP is back; the members'
 logs hold no traceback."""
 
@@ -111,13 +112,15 @@ def test_udp_cut_mid_iperf3_falls_back_to_the_relays_and_comes_back(
         out, _ = client.communicate(timeout=SECONDS + 30)
         assert client.returncode == 0, out[-2000:]
         report = json.loads(out)
-        # Bytes moved every second the relays carried the pair, and after the relay carrying
-        # it died (a resend after the move may take one of those seconds).
+        # Bytes moved in every second of the run but those in which the cut was being noticed:
+        # from the cut until TCP's first resend after the fallback (its timer backed off
+        # meanwhile). Then in every one: while the relays carried the pair, when the relay
+        # carrying it died, when the direct path came back.
         seconds = {int(i["sum"]["start"]): i["sum"]["bytes"] for i in report["intervals"]}
-        before = [b for t, b in seconds.items() if CUT_AT + degraded + 1 <= t < KILL_AT]
-        after = [b for t, b in seconds.items() if KILL_AT + 2 <= t < RESTORE_AT]
-        assert before and min(before) > 0, seconds
-        assert after and sum(after) > 0 and sum(1 for b in after if b) >= len(after) - 1, seconds
+        assert len(seconds) >= SECONDS, seconds
+        resumed = min((t for t, b in seconds.items() if t > CUT_AT + degraded and b), default=-1)
+        assert 0 <= resumed < KILL_AT, seconds  # the relays carried the pair when one was killed
+        assert all(b > 0 for t, b in seconds.items() if not CUT_AT <= t < resumed), seconds
         assert report["end"]["sum_received"]["bytes"] > 0
         assert restored is not None, f"not direct again 40 s after UDP came back: see {tmp_path}"
         # And the other way, direct again: home-b (behind its NAT) sends to lambda-a.
