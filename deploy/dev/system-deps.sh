@@ -27,7 +27,7 @@ WANTED=(
   # nftables; members' namespaces filter UDP in the fallback tests.
   "nftables:nft"
   # The Direct path: the agent forgets the ICE checks' conntrack entries before WireGuard
-  # takes their port over (services/agent/wgport.py).
+  # takes their port over (services/agent/direct/wgport.py).
   "conntrack:conntrack"
   # Metrics (O2): `nodus up --prometheus` runs Debian's Prometheus on the daemons' targets;
   # the metrics tests scrape a live system with it and check rules with its promtool.

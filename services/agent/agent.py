@@ -53,6 +53,7 @@ from services.agent.dataplane.supervisor import (
     dataplane_families,
     kill_stale,
 )
+from services.agent.direct.wireguard import for_agent
 from services.agent.gangwork import GangWork
 from services.agent.health import AgentHealth
 from services.agent.heartbeat import Heartbeat
@@ -62,10 +63,9 @@ from services.agent.inventory import Described, capabilities_of, inventory_of
 from services.agent.localepochs import DATAPLANES, Host, LocalEpoch, LocalEpochs
 from services.agent.membership import Membership
 from services.agent.private.member import PrivateMember
-from services.agent.wireguard import for_agent
 
 if TYPE_CHECKING:  # not imported at run time: their metrics are the dataplane processes'
-    from services.agent.direct import DirectMember
+    from services.agent.direct.member import DirectMember
     from services.agent.relayed.member import RelayedMember
 
 log = logging.getLogger("nodus.agent")

@@ -23,10 +23,10 @@ from libs.runtime import add_common_flags, run_daemon
 from libs.runtime.service import RestartProcess
 from services.agent.agent import Agent
 from services.agent.dataplane.supervisor import Launch, log_dir_beside_stderr
+from services.agent.direct.wireguard import BINARY_ENV, MODE_ENV, MODES
 from services.agent.discover import MACHINE_FILE, discover, load_facts
 from services.agent.hostpower import DEFAULT_COMMAND as DEFAULT_REBOOT_COMMAND
 from services.agent.inventory import Described
-from services.agent.wireguard import BINARY_ENV, MODE_ENV, MODES
 
 
 def _machine(args: argparse.Namespace) -> Machine | Described:

@@ -51,7 +51,7 @@ import msgspec
 
 from app.demo import lab_unavailable
 from app.netlab import NetLab
-from services.agent import wireguard
+from services.agent.direct import wireguard
 from tests.bench.running import add_run_flags, bench_main, bench_parser, machine_facts, progress
 from tests.bench.sampling import process_cpu
 from tests.integration.direct_lab import Members, direct_members

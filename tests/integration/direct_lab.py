@@ -44,7 +44,7 @@ from libs.contracts.base import now
 from libs.contracts.epochs import Epoch
 from libs.contracts.relay import Member
 from libs.wg import generate_private_key, key_to_base64, public_key
-from services.agent.direct import DirectMember
+from services.agent.direct.member import DirectMember
 from libs.bus.auth import AGENT_BUCKETS, agent_inbox
 
 async def main(url, credentials, epoch_json, node, underlay):

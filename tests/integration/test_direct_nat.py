@@ -45,9 +45,9 @@ asyncio.run(main())
 MEMBER = """
 import asyncio, json, sys
 from libs.wg.uapi import DeviceConfig, PeerConfig
-from services.agent.ice import Offer, PairIce
-from services.agent.nodus0 import Nodus0
-from services.agent.wgport import Mapping, PortMap
+from services.agent.direct.ice import Offer, PairIce
+from services.agent.direct.nodus0 import Nodus0
+from services.agent.direct.wgport import Mapping, PortMap
 
 async def main(controlling, private, address, peer_key, peer_address, stun_host):
     loop = asyncio.get_running_loop()

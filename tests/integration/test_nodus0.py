@@ -30,7 +30,7 @@ FLEET = lab_fleet(
 MEMBER = """
 import asyncio, json, sys
 from libs.wg.uapi import DeviceConfig, PeerConfig
-from services.agent.nodus0 import Nodus0, device_exists
+from services.agent.direct.nodus0 import Nodus0, device_exists
 
 async def main(private, address, peer_key, peer_address, peer_endpoint):
     device = Nodus0()
@@ -141,7 +141,7 @@ def test_two_machines_talk_over_nodus0_and_the_device_goes_when_closed(lab: NetL
 
 LEFTOVER = """
 import asyncio, os, subprocess, time
-from services.agent.nodus0 import Nodus0, device_exists
+from services.agent.direct.nodus0 import Nodus0, device_exists
 
 # An agent that died left its wireguard-go and nodus0 behind.
 env = {**os.environ, "WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD": "1"}

@@ -32,7 +32,7 @@ import asyncio, json, logging, sys
 import msgspec
 from libs.contracts.errors import NodusError
 from prometheus_client import generate_latest
-from services.agent import wireguard
+from services.agent.direct import wireguard
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
 
@@ -55,7 +55,7 @@ import asyncio, json, os, sys
 from libs.contracts.errors import NodusError
 from libs.wg import generate_private_key, public_key
 from libs.wg.uapi import DeviceConfig, PeerConfig
-from services.agent.nodus0 import Nodus0, device_exists
+from services.agent.direct.nodus0 import Nodus0, device_exists
 
 async def main():
     if os.environ.get("NODUS_WIREGUARD") == "kernel":

@@ -4,7 +4,7 @@ round, and coming back."""
 
 from __future__ import annotations
 
-from services.agent.pairpath import AGREE_WITHIN, LOSS_AFTER, RETRY_AFTER, PairPath, State
+from services.agent.direct.pairpath import AGREE_WITHIN, LOSS_AFTER, RETRY_AFTER, PairPath, State
 
 
 def joined(now: float = 0.0) -> PairPath:

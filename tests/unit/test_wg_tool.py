@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from libs.wg import generate_private_key, key_to_base64, public_key
 from libs.wg.uapi import DeviceConfig, DeviceState, PeerConfig, PeerState, UapiError
 from libs.wg.wgtool import parse_dump, private_key_input, render_set_argv
-from services.agent.wireguard import has_offloads, release_date
+from services.agent.direct.wireguard import has_offloads, release_date
 
 PEER = public_key(generate_private_key())
 OTHER = public_key(generate_private_key())

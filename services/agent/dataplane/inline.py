@@ -8,7 +8,7 @@ from __future__ import annotations
 from libs.bus import Bus
 from libs.contracts.dataplane import EpochState
 from libs.contracts.errors import ErrorCode, NodusError
-from services.agent.direct import FIRST_ROUND_WAIT, DirectMember
+from services.agent.direct.member import FIRST_ROUND_WAIT, DirectMember
 from services.agent.relayed.member import RelayedMember
 
 

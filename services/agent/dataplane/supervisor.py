@@ -283,7 +283,8 @@ def dataplane_families() -> list[Metric]:
     from prometheus_client import REGISTRY
     from prometheus_client.metrics import MetricWrapperBase
 
-    from services.agent import direct, fallback
+    from services.agent.direct import fallback
+    from services.agent.direct import member as direct
     from services.agent.relayed import homing, sockets, socks, tunnel, wgdevice
 
     families: list[Metric] = []

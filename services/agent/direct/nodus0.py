@@ -27,7 +27,7 @@ from libs.wg.uapi import (
     render_set,
 )
 from libs.wg.wgtool import parse_dump, private_key_input, render_set_argv
-from services.agent.wireguard import KERNEL, chosen
+from services.agent.direct.wireguard import KERNEL, chosen
 
 log = logging.getLogger("nodus.agent.nodus0")
 

@@ -34,14 +34,14 @@ from libs.contracts.relay import IceOffer, Member, MemberPaths, PathHeartbeat
 from libs.runtime.tasks import TaskSet
 from libs.wg import key_from_base64, public_key
 from libs.wg.uapi import DeviceConfig, PeerConfig, UapiError
-from services.agent import ice
-from services.agent.fallback import RelayFallback
-from services.agent.ice import IceFailed, Offer, PairIce
+from services.agent.direct import ice
+from services.agent.direct.fallback import RelayFallback
+from services.agent.direct.ice import IceFailed, Offer, PairIce
+from services.agent.direct.nodus0 import Nodus0
+from services.agent.direct.pairpath import HEARTBEAT_INTERVAL, PairPath
+from services.agent.direct.wgport import Mapping, PortMap
 from services.agent.introductions import introduced_peer
-from services.agent.nodus0 import Nodus0
-from services.agent.pairpath import HEARTBEAT_INTERVAL, PairPath
 from services.agent.relayed.member import live_relays
-from services.agent.wgport import Mapping, PortMap
 
 log = logging.getLogger("nodus.agent.direct")
 
