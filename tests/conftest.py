@@ -3,36 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from libs.bus import Bus
-from libs.bus.auth import OPERATOR, new_identity
-from libs.bus.connection import CREDENTIAL_VARIABLES
-from libs.bus.credentials import write_secret
 from libs.bus.server import NatsServer
 from libs.contracts import names
 from libs.contracts.placer import PlacerConfig
 from services.placer.config import load_config
 from services.placer.service import Placer
+from tests import bus_operator, figures
 
 
 @pytest.fixture(scope="session", autouse=True)
 def operator_credentials(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Authentication is on in every test (S1): the tests' own clients are the operator,
     whose seed every bus a test starts admits; the processes the lab starts get their own."""
-    seed = tmp_path_factory.mktemp("operator") / "operator.nk"
-    write_secret(seed, new_identity("operator", OPERATOR).seed + "\n")
-    saved = {k: os.environ.pop(k, None) for k in CREDENTIAL_VARIABLES}
-    os.environ["NODUS_CREDENTIALS"] = str(seed)
-    yield str(seed)
-    os.environ.pop("NODUS_CREDENTIALS", None)
-    for key, value in saved.items():
-        if value is not None:
-            os.environ[key] = value
+    with bus_operator.operator_credentials(tmp_path_factory.mktemp("operator")) as seed:
+        yield seed
 
 
 @pytest.fixture
@@ -90,3 +80,11 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"condition {check.__name__} did not hold within {timeout}s")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The figures this run measured, in the log (and in .nodus/figures.json)."""
+    text = figures.write()
+    if text is not None:
+        terminalreporter.write_sep("=", f"figures measured (also in {figures.FILE})")
+        terminalreporter.write_line(text)

@@ -46,6 +46,7 @@ from libs.contracts import names
 from services.agent import procs
 from services.placer.config import load_config
 from services.placer.service import Placer
+from tests.bus_operator import operator_credentials
 from tests.integration.agent_daemons import Stream, agent_daemons, place_relayed_gang
 from tests.integration.conftest import meshed_relays
 
@@ -175,7 +176,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    result = run(parse_args(argv))
+    with operator_credentials():  # the buses it starts admit this run's operator
+        result = run(parse_args(argv))
     print(json.dumps(result, indent=2))
     return 1 if any("error" in m for m in result["modes"].values()) else 0
 

@@ -62,7 +62,7 @@ from libs.contracts.jobs import Job, PathClass, Phase
 from libs.contracts.lifecycle import PairResult, ProbeRecord
 from libs.contracts.relay import Member
 from services.prober.schedule import rounds
-from tests.bench.running import add_run_flags, bench_parser, progress
+from tests.bench.running import add_run_flags, bench_main, bench_parser, progress
 from tests.factories import job
 
 WORKLOAD = REPO / "examples" / "workloads" / "allreduce.py"
@@ -400,10 +400,18 @@ async def run_async(args: argparse.Namespace, state: Path) -> dict[str, Any]:
     )
     started = time.monotonic()
     log(f"starting the system ({len(fleet(max(args.sizes))['machines'])} machines)")
-    await system.start(timeout=min(120, args.budget))
+    try:
+        await system.start(timeout=min(120, args.budget))
+    except BaseException:
+        system.stop()  # what started before the failure: nothing is left running
+        raise
     result["systemStartSeconds"] = round(time.monotonic() - started, 3)
-    client = await Client.connect(system.url)
-    bus = await Bus.open(system.url, name="bench-gang", buckets=names.ALL_BUCKETS)
+    try:
+        client = await Client.connect(system.url)
+        bus = await Bus.open(system.url, name="bench-gang", buckets=names.ALL_BUCKETS)
+    except BaseException:
+        system.stop()
+        raise
     try:
         bench = Bench(args, system, client, bus)
         result["probe"] = []
@@ -437,6 +445,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     state = Path(tempfile.mkdtemp(prefix="nodus-bench-gang-"))
     try:
         result = asyncio.run(run_async(args, state))
+    except KeyboardInterrupt:  # SIGTERM or Ctrl-C: the run's `finally` stopped the system
+        return {
+            "error": "stopped by SIGTERM or Ctrl-C before the run finished",
+            "state": str(state),
+        }
     except Exception as error:
         return {"error": f"{type(error).__name__}: {error}", "state": str(state)}
     if args.keep_state:
@@ -448,10 +461,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    result = run(args)
-    print(json.dumps(result, indent=2))
-    return 1 if "error" in result else 0
+    """SIGTERM and Ctrl-C stop the run with its `finally` (every process it started stopped),
+    and the operator's credentials are the run's own (running.bench_main)."""
+    return bench_main(run, parse_args(argv), lambda: None)
 
 
 if __name__ == "__main__":

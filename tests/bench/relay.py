@@ -135,12 +135,35 @@ async def run_async(args: argparse.Namespace, state: Path) -> dict[str, Any]:
     return result
 
 
+# The relayed path's cap-off goodput over a socat chain of the same hops, measured in the same
+# run: a timing is noise on these machines, a ratio below this is a regression (issue 23).
+GUARD_RELAYED_OVER_CHAIN = 0.5
+
+
+def guard(result: dict[str, Any]) -> str | None:
+    """Why the run's figures fall below their guard, or None."""
+    ratio = result.get("cap_off", {}).get("ratios", {}).get("relayed_over_socat_chain")
+    if ratio is None:
+        return "no relayed-over-socat-chain ratio was measured"
+    if ratio < GUARD_RELAYED_OVER_CHAIN:
+        return (
+            f"guard relayed_over_socat_chain: {ratio} is below {GUARD_RELAYED_OVER_CHAIN} "
+            "(cap off, the same run's socat chain of as many hops)"
+        )
+    return None
+
+
 async def measured(args: argparse.Namespace, state: Path) -> dict[str, Any]:
-    """The run, and whether every part ran and every byte arrived intact (else an error)."""
+    """The run, whether every part ran and every byte arrived intact, and whether its ratio
+    holds its guard (else an error that says which)."""
     result = await run_async(args, state)
     result["intact"] = completed(result)
     if not result["intact"] and "error" not in result:
         result["error"] = "bytes were lost or corrupted (see the flows marked intact: false)"
+    below = guard(result)
+    result["guard"] = {"relayed_over_socat_chain_at_least": GUARD_RELAYED_OVER_CHAIN}
+    if below is not None and "error" not in result:
+        result["error"] = below
     return result
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from tests.bus_operator import operator_credentials
+
 
 def progress(bench: str) -> Callable[[str], None]:
     """The bench's progress line writer: `[bench.NAME] message` on stderr (stdout carries
@@ -147,7 +149,9 @@ def bench_main(
     stdout; 1 when it did not complete."""
     signal.signal(signal.SIGTERM, terminate)
     try:
-        result = run(args)
+        # The operator's seed for the buses the bench starts (a plain shell has none).
+        with operator_credentials():
+            result = run(args)
     finally:
         cleanup()
     print(json.dumps(result, indent=2))

@@ -77,3 +77,13 @@ def kill_left_behind(spawned: list[tuple[int, str | None]]) -> None:
         if since is not None and started(pid) == since:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def idle_cores(seconds: float = 1.0) -> float:
+    """How many of this machine's CPUs sat idle over the next `seconds` (sleeps that long)."""
+    import time
+
+    before, started = machine_busy(), time.monotonic()
+    time.sleep(seconds)
+    busy = (machine_busy() - before) / (time.monotonic() - started)
+    return max(0.0, (os.cpu_count() or 1) - busy)

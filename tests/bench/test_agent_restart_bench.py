@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 
 from tests.bench import agent_restart
+from tests.bench.as_user import run_bench
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_short_bench_reports_both_modes() -> None:
-    result = agent_restart.run(agent_restart.parse_args(["--quick"]))
+    result = run_bench("agent_restart", ["--quick"], timeout=280)
     for mode in agent_restart.MODES:
         figures = result["modes"][mode]
         assert "error" not in figures, figures

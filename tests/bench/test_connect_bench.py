@@ -8,15 +8,17 @@ from __future__ import annotations
 import pytest
 
 from tests.bench import connect
+from tests.bench.as_user import run_bench
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_short_bench_measures_live_and_dead_paths() -> None:
-    args = connect.parse_args(
-        ["--connects", "40", "--rounds", "2", "--dead", "2", "--modes", "stop", "--cap", "3"]
+    result = run_bench(
+        "connect",
+        ["--connects", "40", "--rounds", "2", "--dead", "2", "--modes", "stop", "--cap", "3"],
+        timeout=280,
     )
-    result = connect.run(args)
     assert "error" not in result, result.get("error")
     stop = result["modes"]["stop"]
     for path in ("direct", "shim"):

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 
 from app.demo import lab_unavailable
-from tests.bench import direct
+from tests.bench.as_user import run_bench
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(lab_unavailable() is not None, reason=str(lab_unavailable()))
 def test_quick_bench_measures_every_figure() -> None:
-    result = direct.run(direct.parse_args(["--quick"]))
+    result = run_bench("direct", ["--quick"], timeout=380)
     assert "error" not in result, result.get("error")
     goodput = result["goodput"]
     assert goodput["best_gbit_s"]["eth0"] > 0 and goodput["best_gbit_s"]["nodus0"] > 0

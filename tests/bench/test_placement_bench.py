@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from tests.bench import placement
+from tests.bench.as_user import run_bench
 
 
 @pytest.mark.slow
-async def test_quick_bench_decides_every_job_and_reports_its_figures() -> None:
-    opts = placement.options_from(placement.parse_args(["--quick", "--timeout", "240"]))
-    result = await placement.run(opts)
+def test_quick_bench_decides_every_job_and_reports_its_figures() -> None:
+    result = run_bench("placement", ["--quick", "--timeout", "240"], timeout=280)
 
     assert "error" not in result, result.get("error")
     assert result["timed_out"] is False

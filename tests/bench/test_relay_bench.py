@@ -8,14 +8,14 @@ import shutil
 
 import pytest
 
-from tests.bench import relay
+from tests.bench.as_user import run_bench
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(shutil.which("socat") is None, reason="socat missing (make system-deps)")
 def test_quick_bench_completes_with_every_figure_and_intact_bytes() -> None:
-    result = relay.run(relay.parse_args(["--quick"]))
+    result = run_bench("relay", ["--quick"], timeout=580)
     assert "error" not in result, result.get("error")
     assert result["intact"] is True
 

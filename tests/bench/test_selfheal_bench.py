@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.bench import selfheal
+from tests.bench.as_user import run_bench
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_quick_bench_heals_a_gang_and_reports_every_figure() -> None:
-    result = selfheal.run(selfheal.parse_args(["--quick"]))
+    result = run_bench("selfheal", ["--quick"], timeout=580)
     assert "error" not in result, result.get("error")
     [gang] = result["gangs"]
     seen = gang["from_fault_line_s"]

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.bench import slow_receiver
+from tests.bench.as_user import run_bench
 from tests.bench.slow_receiver_experiment import PHASES
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_quick_bench_measures_every_phase() -> None:
-    result = slow_receiver.run(slow_receiver.parse_args(["--quick"]))
+    result = run_bench("slow_receiver", ["--quick"], timeout=220)
     assert "error" not in result, result.get("error")
     assert set(result["configs"]) == {"capped", "uncapped"}
     for config in result["configs"].values():

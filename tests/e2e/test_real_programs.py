@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ import pytest
 from app.local import REPO
 from libs.bus.server import free_port
 from services.agent.dataplane.store import EpochStore
+from tests.bench.sampling import idle_cores
 from tests.e2e import relayed_lab
 from tests.e2e.daemon_logs import DaemonLogs
 from tests.e2e.programs.netclient import (
@@ -50,9 +52,13 @@ from tests.e2e.relayed_lab import Lab, PeerServer, new_system, start_lab, start_
 pytestmark = pytest.mark.slow
 
 MEMBER_SHARE = 0.5e9  # the relays' cap for a 2-member gang: 1 Gbit/s, 0.5 per member
-# Under the share (the cap holds, whatever the machine's speed), and moving: a stalled stream
-# is a bug, a slow one on two shared cores is not (tests/bench/relay.py measures the speed).
-GOODPUT = (0.02e9, 0.55e9)
+# Under the share (the cap holds, whatever the machine's speed) and at least GUARD of it when
+# the machine has IDLE_CORES free before the run (a ratio of the cap, not a timing: a 10x slower
+# Relayed path fails it); on a saturated machine only moving (a stalled stream is a bug).
+GOODPUT_CEILING = 0.55e9
+GUARD = 0.6
+IDLE_CORES = 1.5
+MOVING = 0.02e9
 IPERF_SECONDS = 5
 DOWNLOAD = 48 << 20
 TRANSFER = 64 << 20  # each way, per relay kill
@@ -171,17 +177,26 @@ def goodputs(report: dict[str, Any], *args: str) -> dict[str, float]:
 def test_a_iperf3_through_the_shim_moves_data_within_the_member_share(
     lab: Lab, tmp_path: Path, args: tuple[str, ...]
 ) -> None:
+    idle = idle_cores()
     report = iperf3(lab, tmp_path, *args, seconds=IPERF_SECONDS)
     measured = goodputs(report, *args)
     print(
-        f"iperf3 {' '.join(args)}: "
+        f"iperf3 {' '.join(args)} ({idle:.1f} cores idle before): "
         + ", ".join(f"{k} {v / 1e9:.3f} Gbit/s" for k, v in measured.items())
     )
-    low, high = GOODPUT
+    low = GUARD * MEMBER_SHARE
+    if idle < IDLE_CORES:
+        warnings.warn(
+            f"iperf3 {' '.join(args)}: only {idle:.1f} cores were idle before the run; "
+            f"the {GUARD:g}-of-the-share guard is not checked, only that bytes moved",
+            stacklevel=1,
+        )
+        low = MOVING
     for direction, bps in measured.items():
-        assert low <= bps <= high, (
+        assert low <= bps <= GOODPUT_CEILING, (
             f"iperf3 {' '.join(args)}: {direction} {bps / 1e9:.3f} Gbit/s, wanted "
-            f"{low / 1e9:.2f}-{high / 1e9:.2f} of the {MEMBER_SHARE / 1e9:g} Gbit/s share "
+            f"{low / 1e9:.2f}-{GOODPUT_CEILING / 1e9:.2f} of the {MEMBER_SHARE / 1e9:g} Gbit/s "
+            f"share with {idle:.1f} cores idle "
             f"(all: { {k: round(v / 1e9, 3) for k, v in measured.items()} })"
         )
 
