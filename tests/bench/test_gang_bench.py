@@ -3,9 +3,17 @@ values. Behaviour only; the bench reports speed, this test never judges it."""
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
-from tests.bench.as_user import run_bench
+from tests import figures
+from tests.bench.as_user import plain_environment, run_bench
 
 
 @pytest.mark.slow
@@ -42,3 +50,45 @@ def test_quick_bench_completes_with_every_figure() -> None:
         assert allreduce[path]["busGbps"] > 0
     assert allreduce["relayedOverLoopback"] is not None
     assert result["relayedBilling"]["usageRelayBytesAfterwards"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_bench_stopped_by_sigterm_leaves_nothing_running() -> None:
+    """SIGTERM mid-run (a CI timeout, `kill`): the bench says it was stopped, prints its
+    JSON and no process it started (nats-server, daemons, agents) outlives it."""
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "tests.bench.gang", "--quick", "--keep-state"],
+        cwd=figures.ROOT,
+        env=plain_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert bench.stderr is not None
+        for line in bench.stderr:  # the system is up and the probes run: stop it there
+            if "probe" in line.lower() or "members" in line:
+                break
+        time.sleep(3)
+        bench.send_signal(signal.SIGTERM)
+        out, _ = bench.communicate(timeout=90)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    result = json.loads(out)
+    assert "stopped by SIGTERM" in result["error"], result
+    state = result["state"]
+    left = [
+        entry.name
+        for entry in Path("/proc").iterdir()
+        if entry.name.isdigit() and state.encode() in _cmdline(entry)
+    ]
+    assert left == [], f"processes of {state} still run: {left}"
+
+
+def _cmdline(entry: Path) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:
+        return b""
