@@ -24,5 +24,5 @@ async def test_every_job_and_every_byte_survive_any_one_process_dying(tmp_path: 
         chaos.stop()  # a run cut short (the timeout) leaves nothing behind
     print(json.dumps(asdict(report), indent=1))
     assert report.faults and len({f.kind for f in report.faults}) == len(report.faults)
-    assert report.jobs, "no job ran"
+    assert sum(report.succeeded.values()) >= 3, "too few jobs succeeded"
     assert report.violations == []
