@@ -50,7 +50,16 @@ from libs.contracts.epochs import Epoch, Lease
 from libs.contracts.fleet import NodeHealth
 from libs.contracts.jobs import FINISHED_PHASES as FINAL
 from libs.contracts.jobs import Job, PathClass, Phase
-from libs.contracts.remediation import Action, Alert, AlertState, Policy, Remediation
+from libs.contracts.remediation import (
+    TERMINAL_STATES,
+    Action,
+    Alert,
+    AlertKind,
+    AlertState,
+    Policy,
+    Remediation,
+    RemediationState,
+)
 from services.prober.billing import SWEEP_SECONDS as LATE_USAGE_SWEEP_SECONDS
 from tests.e2e.daemon_logs import DaemonLogs
 
@@ -108,9 +117,22 @@ SHAPES = {
 }
 
 
-def job(index: int, netns: bool) -> Job:
+def path_of(index: int, netns: bool) -> str:
+    """The path chaos-<index> is shaped for (SHAPES)."""
     paths = ["private", "relayed", "direct"] if netns else ["private", "relayed"]
-    accelerators, network, transport = SHAPES[paths[index % len(paths)]]
+    return paths[index % len(paths)]
+
+
+# Every job applied is expected to end so; any other end is a violation naming it.
+EXPECTED = Phase.SUCCEEDED
+# The events a job that Succeeded published, in order (libs/jobs/lifecycle.py).
+SUCCEEDED_EVENTS = ("admitted", "placed", "probing", "running", "succeeded")
+# The repair in flight (a read-only root filesystem on h-3) must end so before the run ends.
+REPAIR_NODE = "h-3"
+
+
+def job(index: int, netns: bool) -> Job:
+    accelerators, network, transport = SHAPES[path_of(index, netns)]
     return parse_job(
         f"""
 apiVersion: nodus/v1
@@ -145,6 +167,8 @@ class Report:
     netns: bool = False  # machines in network namespaces, Direct gangs over nodus0
     faults: list[FaultRecord] = field(default_factory=list)
     jobs: dict[str, str] = field(default_factory=dict)  # name -> phase
+    succeeded: dict[str, int] = field(default_factory=dict)  # path -> jobs that Succeeded
+    repair: str | None = None  # the repair in flight's final state
     violations: list[str] = field(default_factory=list)
     events_seen: int = 0
     remediations: int = 0
@@ -237,8 +261,11 @@ class Chaos:
                 await self.client.apply(job(index, self.netns))
                 self.applied.append(f"chaos-{index}")
                 index += 1
-            except Exception as error:  # the bus or the placer may be down: try again
-                print(f"[chaos] apply chaos-{index}: {error}", file=sys.stderr)
+            except Exception as error:  # one server down must not refuse a client
+                self.report.violations.append(
+                    f"apply chaos-{index} refused or timed out: {type(error).__name__}: {error}"
+                )
+                index += 1
             await asyncio.sleep(4.0)
 
     # -- faults ------------------------------------------------------------------------------
@@ -378,12 +405,32 @@ class Chaos:
             except Exception:
                 await asyncio.sleep(1)
                 continue
-            if all(n in jobs and jobs[n].status.phase in FINAL for n in self.applied):
+            if all(n in jobs and jobs[n].status.phase in FINAL for n in self.applied) and (
+                await self._repair_state() in TERMINAL_STATES
+            ):
                 break
             await asyncio.sleep(1)
         # Usage the relays metered last reaches the stream, and a bill it changes is amended
         # by the prober's next sweep.
         await asyncio.sleep(3 + LATE_USAGE_SWEEP_SECONDS)
+
+    async def _repair_state(self) -> RemediationState | None:
+        """The state of the repair in flight's latest remediation (None: none yet)."""
+        assert self.client is not None
+        bus = self.client.bus
+        try:
+            await bus.ensure_bucket(names.BUCKET_REMEDIATIONS)
+            rems = await bus.bucket(names.BUCKET_REMEDIATIONS, Remediation).snapshot()
+        except Exception:
+            return None
+        mine = [
+            r.value
+            for r in rems.values()
+            if r.value.node == REPAIR_NODE and r.value.kind is AlertKind.READONLY_FILESYSTEM
+        ]
+        if not mine:
+            return None
+        return max(mine, key=lambda r: r.created_time).state
 
     # -- invariants ------------------------------------------------------------------------
 
@@ -412,6 +459,12 @@ class Chaos:
                 bad.append(f"{name} is {phase.value} {SETTLE_SECONDS:g} s after the faults")
             if phase in FINAL and live.get(gang):
                 bad.append(f"{name} ended {phase.value} and epoch {live[gang][0].epoch} is live")
+            if phase in FINAL and phase is not EXPECTED:
+                bad.append(f"job {name} ended {phase.value}, not {EXPECTED.value}")
+            if phase is Phase.SUCCEEDED:
+                path = path_of(int(name.rsplit("-", 1)[1]), self.netns)
+                self.report.succeeded[path] = self.report.succeeded.get(path, 0) + 1
+        self._check_recovery()
         members: Counter[str] = Counter()
         for gang_epochs in live.values():
             for epoch in gang_epochs:
@@ -431,13 +484,32 @@ class Chaos:
                 bad.append(f"epoch {key} was fenced and is live again")
         await self._check_repairs(bus)
         await self._check_billing(jobs)
-        await self._check_events(bus)
+        await self._check_events(bus, jobs)
+
+    def _check_recovery(self) -> None:
+        """Every fault's every recovery figure came (None: the system was not whole again)."""
+        for fault in self.report.faults:
+            figures = ["bus_whole_seconds", "next_placement_seconds", "next_relay_bytes_seconds"]
+            if fault.kind == "remediator":
+                figures.append("next_alert_seconds")
+            for figure in figures:
+                if getattr(fault, figure) is None:
+                    self.report.violations.append(
+                        f"fault {fault.kind} {fault.target} at {fault.at:g} s: no {figure}"
+                    )
 
     async def _check_repairs(self, bus: Bus) -> None:
         bad = self.report.violations
         await bus.ensure_bucket(names.BUCKET_REMEDIATIONS)
         rems = await bus.bucket(names.BUCKET_REMEDIATIONS, Remediation).snapshot()
         self.report.remediations = len(rems)
+        state = await self._repair_state()
+        self.report.repair = state.value if state is not None else None
+        if state is not RemediationState.DONE:
+            bad.append(
+                f"the repair in flight on {REPAIR_NODE} ended "
+                f"{state.value if state is not None else 'never started'}, not Done"
+            )
         # Each fault may make one remediation: the read-only filesystem injected on h-3, and
         # an agent killed or paused (its machine may look unreachable for a moment).
         allowed: Counter[str] = Counter({"h-3": 1})
@@ -474,11 +546,15 @@ class Chaos:
         usage = await self.client.usage()
         for name in self.applied:
             found = jobs.get(name)
-            if found is None or found.status.billing is None:
+            if found is None:
+                continue
+            gang = found.status.gang
+            if found.status.billing is None:
+                if gang is not None and gang.transport is PathClass.RELAYED:
+                    self.report.violations.append(f"{name}: Relayed and has no bill")
                 continue
             billed = found.status.billing.mesh_relay_gi_b * GIB
             metered = float(usage.get(found.key, 0))
-            gang = found.status.gang
             if gang is not None and gang.transport is PathClass.DIRECT:
                 # G17: a Direct pair's bytes through the relays (before its holes punched,
                 # or a fallback) are metered, not billed.
@@ -490,12 +566,27 @@ class Chaos:
                     f"{name}: billed {billed:.0f} relay bytes, the relays metered {metered:.0f}"
                 )
 
-    async def _check_events(self, bus: Bus) -> None:
+    async def _check_events(self, bus: Bus, jobs: dict[str, Job]) -> None:
         self.report.events_seen = len(self.events)
-        stored = {
-            (msg.headers or {}).get("Nats-Msg-Id")
-            for msg in await bus.replay(names.EVENTS_STREAM, "nodus.evt.>")
-        }
+        if not self.events:
+            self.report.violations.append("a client saw no event")
+        replayed = await bus.replay(names.EVENTS_STREAM, "nodus.evt.>")
+        stored = {(msg.headers or {}).get("Nats-Msg-Id") for msg in replayed}
+        subjects = {msg.subject for msg in replayed}
+        for name in self.applied:
+            found = jobs.get(name)
+            if found is None or found.status.phase is not Phase.SUCCEEDED:
+                continue
+            lacking = [
+                kind
+                for kind in SUCCEEDED_EVENTS
+                if names.job_event(found.key, kind) not in subjects
+            ]
+            if lacking:
+                self.report.violations.append(
+                    f"job {name} Succeeded without its events in {names.EVENTS_STREAM}: "
+                    f"{', '.join(lacking)}"
+                )
         missing = sorted(set(self.events) - stored)
         if missing:
             self.report.violations.append(
