@@ -61,6 +61,9 @@ class LocalSystem:
     heartbeat_seconds: float = 2.0
     placer_config: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    # The module a daemon runs instead of `app`, by name prefix: only the chaos harness's own
+    # tests use it, to start a deliberately broken build (tests/chaos/broken.py).
+    module: dict[str, str] = field(default_factory=dict)
     # Extra flags for every relay (benchmarks: `--no-rate-limit`); none by default.
     relay_args: list[str] = field(default_factory=list)
     # Prometheus /metrics for every daemon (O2), listed in STATE_DIR/prometheus/targets.json
@@ -165,7 +168,7 @@ class LocalSystem:
         }
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                [*self._launcher(name), sys.executable, "-m", "app", *args],
+                [*self._launcher(name), sys.executable, "-m", self._module(name), *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -175,6 +178,9 @@ class LocalSystem:
         child = Child(name, process, log_path, args)
         self.children.append(child)
         return child
+
+    def _module(self, name: str) -> str:
+        return next((m for prefix, m in self.module.items() if name.startswith(prefix)), "app")
 
     def child(self, name: str) -> Child:
         found = next((c for c in self.children if c.name == name), None)

@@ -61,6 +61,7 @@ from libs.contracts.remediation import (
     RemediationState,
 )
 from services.prober.billing import SWEEP_SECONDS as LATE_USAGE_SWEEP_SECONDS
+from tests.chaos.broken import DEFECT_VARIABLE
 from tests.chaos.workload import EXPECTED, REPAIR_NODE, SUCCEEDED_EVENTS, fleet, job, path_of
 from tests.e2e.daemon_logs import DaemonLogs
 
@@ -99,9 +100,21 @@ class Report:
 
 class Chaos:
     def __init__(
-        self, state: Path, seed: int, faults: int = len(KINDS), netns: bool | None = None
+        self,
+        state: Path,
+        seed: int,
+        faults: int = len(KINDS),
+        netns: bool | None = None,
+        kinds: tuple[str, ...] = KINDS,
+        repair: bool = True,
+        defect: str | None = None,
     ) -> None:
+        """`kinds`, `repair` (a repair in flight) and `defect` (a daemon of a broken build,
+        tests/chaos/broken.py) make the short runs of the harness's own tests."""
         self.state = state
+        self.kinds = kinds
+        self.repair = repair
+        self.defect = defect
         # The lab when this machine has what it needs (root, ip, nft, wireguard-go).
         self.netns = lab_unavailable() is None if netns is None else netns
         self.seed = seed
@@ -133,6 +146,7 @@ class Chaos:
             heartbeat_seconds=HEARTBEAT_SECONDS,
             probe_seconds=1.0,
             netns=self.netns,
+            **self._broken(),
         )
         await system.start()
         try:
@@ -142,9 +156,10 @@ class Chaos:
             policy = Policy(mode="Automatic", trusted_actions=[Action.REBOOT, Action.POWER_CYCLE])
             await self._put_policy(policy)
             # A repair in flight: a read-only root filesystem on a VPC machine.
-            faults.inject(system.machine_dir("h-3"), faults.Fault(kind="readonly-fs"))
+            if self.repair:
+                faults.inject(system.machine_dir("h-3"), faults.Fault(kind="readonly-fs"))
             workload = asyncio.create_task(self._apply_jobs())
-            kinds = list(KINDS)
+            kinds = list(self.kinds)
             self.rng.shuffle(kinds)
             for kind in (kinds * 2)[: self.fault_count]:
                 await asyncio.sleep(self.rng.uniform(2.0, 4.0))
@@ -163,6 +178,16 @@ class Chaos:
         self.report.violations += [f"log {finding}" for finding in logs.read_new()]
         self.report.seconds = round(time.monotonic() - self.started, 1)
         return self.report
+
+    def _broken(self) -> dict[str, Any]:
+        """The LocalSystem options that start the defect's daemon from the broken build."""
+        if self.defect is None:
+            return {}
+        daemon = self.defect.split("-", 1)[0]  # prober-..., placer-..., relay-...
+        return {
+            "module": {daemon: "tests.chaos.broken"},
+            "extra_env": {DEFECT_VARIABLE: self.defect, "NODUS_CHAOS_STATE": str(self.state)},
+        }
 
     def stop(self) -> None:
         """Stop everything the run started; again is harmless (the run stops it itself)."""
@@ -225,6 +250,7 @@ class Chaos:
         record.next_placement_seconds = await self._first_after(self.placements, restored)
         record.next_relay_bytes_seconds = await self._first_after(self.metered, restored, 10.0)
         self.report.faults.append(record)
+
         print(f"[chaos] {json.dumps(asdict(record))}", file=sys.stderr)
 
     def _children(self) -> list[str]:
@@ -328,7 +354,7 @@ class Chaos:
                 await asyncio.sleep(1)
                 continue
             if all(n in jobs and jobs[n].status.phase in FINAL for n in self.applied) and (
-                await self._repair_state() in TERMINAL_STATES
+                not self.repair or await self._repair_state() in TERMINAL_STATES
             ):
                 break
             await asyncio.sleep(1)
@@ -404,6 +430,7 @@ class Chaos:
             now_ = epochs.get(key)
             if now_ is not None and not now_.value.fenced:
                 bad.append(f"epoch {key} was fenced and is live again")
+        self._check_running()
         await self._check_repairs(bus)
         await self._check_billing(jobs)
         await self._check_events(bus, jobs)
@@ -420,6 +447,17 @@ class Chaos:
                         f"fault {fault.kind} {fault.target} at {fault.at:g} s: no {figure}"
                     )
 
+    def _check_running(self) -> None:
+        """Every daemon killed came back: each one's latest process still runs at the end."""
+        assert self.system is not None
+        latest = {child.name: child for child in self.system.children}
+        self.report.violations += [
+            f"{name} did not come back after its restart (exited {child.process.returncode}; "
+            f"see {child.log})"
+            for name, child in sorted(latest.items())
+            if child.process.poll() is not None
+        ]
+
     async def _check_repairs(self, bus: Bus) -> None:
         bad = self.report.violations
         await bus.ensure_bucket(names.BUCKET_REMEDIATIONS)
@@ -427,7 +465,7 @@ class Chaos:
         self.report.remediations = len(rems)
         state = await self._repair_state()
         self.report.repair = state.value if state is not None else None
-        if state is not RemediationState.DONE:
+        if self.repair and state is not RemediationState.DONE:
             bad.append(
                 f"the repair in flight on {REPAIR_NODE} ended "
                 f"{state.value if state is not None else 'never started'}, not Done"
