@@ -21,7 +21,7 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 from nats.nuid import NUID
 
-from libs.bus.connection import connect, jetstream, refusal_of
+from libs.bus.connection import DRAIN_SECONDS, connect, jetstream, refusal_of
 from libs.bus.kv import Bucket, named_watches
 from libs.bus.retry import retrying
 from libs.contracts import names
@@ -305,7 +305,10 @@ class Bus:
         self._services.clear()
         if not self.nc.is_closed:
             try:
-                await asyncio.wait_for(self.nc.drain(), timeout=2.0)
+                # Bounded by nats-py itself (DRAIN_SECONDS, set at connect): a handler still
+                # running is given that long, then the connection closes. The wait_for is
+                # only a backstop for a drain that hangs past its own bound.
+                await asyncio.wait_for(self.nc.drain(), timeout=DRAIN_SECONDS + 3.0)
             except Exception:
                 await self.nc.close()
 

@@ -59,6 +59,10 @@ def credential_options(path: str) -> dict[str, Any]:
     )
 
 
+# How long closing waits for handlers still running (nats-py's drain) before it closes anyway.
+DRAIN_SECONDS = 2.0
+
+
 async def connect(
     url: str | None = None,
     name: str = "nodus",
@@ -102,6 +106,9 @@ async def connect(
         "error_cb": on_error,
         "disconnected_cb": on_disconnect,
         "reconnected_cb": on_reconnect,
+        # nats-py bounds its own drain: cancelling a drain from outside leaves its gather of
+        # the subscriptions' drains unretrieved (an asyncio error in the daemon's log).
+        "drain_timeout": DRAIN_SECONDS,
     }
     credentials = credentials or default_credentials()
     if credentials:

@@ -3,6 +3,10 @@ compare-and-set writes, malformed records are counted and skipped (S3), the epoc
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from libs.bus import Bus, Endpoint, EpochGuard, check_plan_generations
+from libs.bus.connection import DRAIN_SECONDS
 from libs.bus.server import NatsServer, free_port
 from libs.contracts import names
 from libs.contracts.api import NodeInfoReply, NodeInfoRequest
@@ -137,3 +142,30 @@ def test_a_plan_whose_generations_disagree_is_refused() -> None:
     with pytest.raises(NodusError) as refused:
         check_plan_generations("acme.train", [("epoch", 3), ("keys", 2)])
     assert "keys=2" in refused.value.message
+
+
+async def test_closing_with_a_message_still_being_handled_is_bounded_and_logs_no_error(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A daemon that stops while a handler still runs (a request being answered at SIGTERM):
+    close gives the drain its bound, then closes, and leaves no asyncio error behind (the
+    agent-restart e2e test failed on one: '_GatheringFuture exception was never retrieved')."""
+    bus = await Bus.open(nats_server.url, name="closing")
+    handling = asyncio.Event()
+
+    async def slow(_: object) -> None:
+        handling.set()
+        await asyncio.sleep(30)
+
+    await bus.nc.subscribe("test.slow", cb=slow)
+    await bus.nc.publish("test.slow", b"x")
+    await asyncio.wait_for(handling.wait(), 5)
+    started = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        await bus.close()
+        took = time.monotonic() - started
+        gc.collect()
+        await asyncio.sleep(0.1)
+    assert bus.nc.is_closed
+    assert took < DRAIN_SECONDS + 2, took
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
