@@ -34,7 +34,7 @@ demo: system-deps $(STAMP) netshim
 	$(BIN)/nodus demo --netns
 
 test: system-deps $(STAMP) $(TORCH_STAMP) netshim
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=30
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -m 'not slow'
@@ -51,7 +51,8 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.bench.placement
 
 # The chaos run (tests/chaos/harness.py) with the seeds that once found a bug and 6 random
-# ones (SEEDS=... for others); `make test` runs seed 1 and one random seed.
+# ones (SEEDS=... for others); `make test` runs seed 1, one of those (a different one each
+# day) and one random seed.
 CHAOS_SEEDS ?= 1 7 276742 789536 $(shell $(PYTHON) -c 'import random; print(*random.sample(range(1 << 20), 6))')
 chaos: system-deps $(STAMP) netshim
 	flock /tmp/nodus-netns.lock $(BIN)/python -m tests.chaos.harness $(foreach s,$(or $(SEEDS),$(CHAOS_SEEDS)),--seed $(s))
