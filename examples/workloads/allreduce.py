@@ -14,6 +14,8 @@ so a resumed run verifies the same result as one that never stopped.
     NODUS_CHECKPOINT_DIR NODUS_RESTART_COUNT                          (set by Nodus)
     ALLREDUCE_MIB (default 16)  ALLREDUCE_ITERS (default 3)
     ALLREDUCE_STEP_SECONDS (default 0: a pause after each step, to stop a run midway)
+    ALLREDUCE_TIMEOUT_SECONDS (default 300: like torch.distributed's collective timeout, a peer
+        silent this long fails the rank, with a message, instead of hanging it for ever)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import time
 from array import array
 
 HEADER = struct.Struct(">II")
+TIMEOUT = float(os.environ.get("ALLREDUCE_TIMEOUT_SECONDS", "300"))
 
 
 def env_int(*names: str, default: int | None = None) -> int:
@@ -44,7 +47,7 @@ def connect_retry(address: tuple[str, int], deadline: float) -> socket.socket:
     while True:
         try:
             sock = socket.create_connection(address, timeout=30)
-            sock.settimeout(None)  # the connect is bounded; the collective may take its time
+            sock.settimeout(TIMEOUT)  # the collective's bound, not the connect's
             return sock
         except (ConnectionRefusedError, TimeoutError, OSError):
             if time.monotonic() > deadline:
@@ -71,6 +74,7 @@ def rendezvous(
     listener = socket.socket(socket.AF_INET6 if ":" in own else socket.AF_INET)
     listener.bind((own, 0))  # an ephemeral port, as NCCL's bootstrap does
     listener.listen(4)
+    listener.settimeout(TIMEOUT)
     my_port = listener.getsockname()[1]
     deadline = time.monotonic() + 120
     if rank == 0:
@@ -78,10 +82,12 @@ def rendezvous(
         store.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         store.bind(master)
         store.listen(world)
+        store.settimeout(TIMEOUT)
         table = {0: (own, my_port)}
         clients = []
         while len(table) < world:
             conn, _ = store.accept()
+            conn.settimeout(TIMEOUT)  # an accepted socket does not inherit it
             peer_rank, port = HEADER.unpack(recv_exact(conn, HEADER.size))
             (length,) = struct.unpack(">I", recv_exact(conn, 4))
             table[peer_rank] = (recv_exact(conn, length).decode(), port)
@@ -101,6 +107,7 @@ def rendezvous(
     nxt = table[(rank + 1) % world]
     to_next = connect_retry((str(nxt[0]), int(nxt[1])), deadline)
     from_prev, _ = listener.accept()
+    from_prev.settimeout(TIMEOUT)
     listener.close()
     for sock in (to_next, from_prev):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -219,4 +226,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except TimeoutError:
+        print(f"allreduce: no word from a peer for {TIMEOUT:g} s; giving up", file=sys.stderr)
+        raise

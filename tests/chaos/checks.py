@@ -121,7 +121,8 @@ class ChaosChecks:
             if phase in FINAL and live.get(gang):
                 bad.append(f"{name} ended {phase.value} and epoch {live[gang][0].epoch} is live")
             if phase in FINAL and phase is not EXPECTED:
-                bad.append(f"job {name} ended {phase.value}, not {EXPECTED.value}")
+                where = await self._stuck_at(found)
+                bad.append(f"job {name} ended {phase.value}, not {EXPECTED.value} ({where})")
             if phase is Phase.SUCCEEDED:
                 path = path_of(int(name.rsplit("-", 1)[1]), self.netns)
                 self.report.succeeded[path] = self.report.succeeded.get(path, 0) + 1
@@ -150,8 +151,8 @@ class ChaosChecks:
         await self._check_events(bus, jobs)
 
     async def _stuck_at(self, job: Job) -> str:
-        """Where a job that did not end stands: its status, its ranks and their logs' ends, so
-        a CI log says where to look."""
+        """Where a job that did not end well stands: its status, its ranks and their logs'
+        ends, so a CI log says where to look."""
         assert self.client is not None and self.system is not None
         status = job.status
         said = [f"epoch {status.epoch}"]

@@ -76,7 +76,8 @@ kind: Job
 metadata: {{name: chaos-{index}, org: acme}}
 spec:
   command: [python3, examples/workloads/allreduce.py]
-  env: {{ALLREDUCE_MIB: "1", ALLREDUCE_ITERS: "6", ALLREDUCE_STEP_SECONDS: "0.5"}}
+  env: {{ALLREDUCE_MIB: "1", ALLREDUCE_ITERS: "6", ALLREDUCE_STEP_SECONDS: "0.5",
+        ALLREDUCE_TIMEOUT_SECONDS: "60"}}
   image: {{libc: glibc}}
   accelerators: {accelerators}
   distributed: {{members: 2, network: {network}, transport: {transport}}}
