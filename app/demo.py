@@ -89,7 +89,7 @@ async def _run_demo(state: Path, netns: bool, nats_cluster: int) -> int:
         say(
             "== nodus up --netns: every machine of examples/fleet-netns.yaml in a network "
             "namespace of its own (providers' LANs, NAT); nats-server (JetStream), placer, "
-            "prober and two meshed relays in the lab's control namespace"
+            "runner and two meshed relays in the lab's control namespace"
         )
     else:
         system = LocalSystem(
@@ -100,7 +100,7 @@ async def _run_demo(state: Path, netns: bool, nats_cluster: int) -> int:
             nats_cluster=nats_cluster,
         )
         say(
-            "== nodus up: nats-server (JetStream), placer, prober, two meshed relays, "
+            "== nodus up: nats-server (JetStream), placer, runner, two meshed relays, "
             "one agent per machine of examples/fleet.yaml"
         )
         say(f"# the Direct gang will be shown placed only: {skipped}")

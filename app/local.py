@@ -372,8 +372,8 @@ class LocalSystem:
                 self.start_placer(index)
             self.start_relays()
             self._spawn(
-                "prober-0",
-                ["prober", "--replica", "prober-0", "--sample-seconds", str(self.probe_seconds)],
+                "runner-0",
+                ["runner", "--replica", "runner-0", "--sample-seconds", str(self.probe_seconds)],
             )
             self.start_remediation()  # node repair: the remediator and the machines' monitor
             for machine in self.fleet.machines:
@@ -391,7 +391,7 @@ class LocalSystem:
 
     def write_targets(self) -> Path:
         """STATE_DIR/prometheus/targets.json: every daemon's /metrics, as Prometheus's
-        file-based discovery reads it, `job` the daemon's kind (placer, prober, relay, agent,
+        file-based discovery reads it, `job` the daemon's kind (placer, runner, relay, agent,
         remediator, monitor) and `daemon` its name."""
         groups = [
             {

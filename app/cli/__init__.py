@@ -6,7 +6,7 @@ repair.py    get alerts|recommendations|remediations, describe remediation|alert
              cancel, repair request, breaker, fault
 policy.py    policy get|set
 system.py    up, demo, schema
-daemons.py   placer, agent, relay, prober, remediator, monitor
+daemons.py   placer, agent, relay, runner, remediator, monitor
 parser.py    all of them on one parser, and `main` (the `nodus` console script)"""
 
 from app.cli.parser import build_parser, main

@@ -1,4 +1,4 @@
-"""`nodus placer|agent|relay|prober|remediator|monitor`: run a service. Each service's module
+"""`nodus placer|agent|relay|runner|remediator|monitor`: run a service. Each service's module
 has `build_parser(parser)` (its flags; `--nats`, credentials and metrics from libs.runtime) and
 `run(args)`."""
 
@@ -13,9 +13,9 @@ from app.lab.provider import LocalProvider
 from services.agent import main as agent
 from services.monitor import monitor
 from services.placer import main as placer
-from services.prober import main as prober
 from services.relay import main as relay
 from services.remediator import main as remediator
+from services.runner import main as runner
 
 
 def simulate_machine(directory: Path, gpus: int) -> None:
@@ -27,10 +27,17 @@ JOB_DAEMONS = [
     Command("agent", "daemon: the per-machine agent", agent.build_parser, agent.run),
     Command("relay", "daemon: a relay for Relayed gangs", relay.build_parser, relay.run),
     Command(
-        "prober",
+        "runner",
         "daemon: probes, qualification, the gang's run",
-        prober.build_parser,
-        prober.run,
+        runner.build_parser,
+        runner.run,
+    ),
+    # The runner's name until this release; removed in the next.
+    Command(
+        "prober",
+        "daemon: the runner's old name (deprecated; use `nodus runner`)",
+        runner.build_parser,
+        runner.run_as_prober,
     ),
 ]
 REPAIR_DAEMONS = [

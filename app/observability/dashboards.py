@@ -172,33 +172,33 @@ AGENTS = {
 
 GANGS = {
     "Jobs": [
-        Graph("Jobs by phase", "max by (phase) (nodus_prober_jobs)", "short", "{{phase}}"),
+        Graph("Jobs by phase", "max by (phase) (nodus_runner_jobs)", "short", "{{phase}}"),
         Graph(
             "Gangs degraded (NetworkDegraded)",
-            "max by (gang) (nodus_prober_network_degraded) or vector(0)",
+            "max by (gang) (nodus_runner_network_degraded) or vector(0)",
             "short",
             "{{gang}}",
         ),
         Graph(
-            "Runs, by outcome", _rate("nodus_prober_runs_total", "outcome"), "ops", "{{outcome}}"
+            "Runs, by outcome", _rate("nodus_runner_runs_total", "outcome"), "ops", "{{outcome}}"
         ),
     ],
     "Probes": [
         Graph(
             "Probe throughput per pair",
-            "max by (gang, a, b, path) (nodus_prober_pair_tcp_gbps)",
+            "max by (gang, a, b, path) (nodus_runner_pair_tcp_gbps)",
             "Gbits",
             "{{gang}} {{a}}-{{b}} {{path}}",
         ),
         Graph(
             "Probe round trip per pair",
-            "max by (gang, a, b, path) (nodus_prober_pair_rtt_seconds)",
+            "max by (gang, a, b, path) (nodus_runner_pair_rtt_seconds)",
             "s",
             "{{gang}} {{a}}-{{b}} {{path}}",
         ),
         Graph(
             "Probes, by outcome",
-            _rate("nodus_prober_probes_total", "outcome"),
+            _rate("nodus_runner_probes_total", "outcome"),
             "ops",
             "{{outcome}}",
         ),

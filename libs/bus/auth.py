@@ -18,7 +18,7 @@ import nkeys
 
 from libs.contracts import names
 
-# The roles a process can have. The services (placer, prober, remediator, monitor) and the
+# The roles a process can have. The services (placer, runner, remediator, monitor) and the
 # operator's CLI work across every gang and node, so they hold the Nodus subjects whole.
 AGENT = "agent"
 RELAY = "relay"

@@ -26,7 +26,10 @@ from libs.bus.credentials import BusUsers, write_secret
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.names import NATS_PORT
 
-SERVICES = ("placer", "prober", "remediator", "monitor")
+SERVICES = ("placer", "runner", "remediator", "monitor")
+# The runner's user under its old name, so credentials issued before it was renamed still
+# work; made until the next release.
+OLD_SERVICE_USERS = ("prober",)
 CERT_DAYS = 825  # what browsers and most TLS stacks accept for a leaf
 
 
@@ -204,7 +207,7 @@ def write_cluster(
     (directory / "ca.pem").write_text(_pem_cert(authority[1]))
     users = BusUsers(directory / "users")
     users.ensure("operator", OPERATOR)
-    for service in SERVICES:
+    for service in SERVICES + OLD_SERVICE_USERS:
         users.ensure(service, SERVICE)
     for relay in relays:
         users.ensure(f"relay-{relay}", RELAY, relay)

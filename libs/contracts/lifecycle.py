@@ -35,7 +35,7 @@ class ProbeRecord(Record):
     gang: str
     epoch: int
     state: Literal["Running", "Qualified", "Failed"]
-    prober: str  # the replica holding it
+    prober: str  # the runner replica holding it (the name kept: stored records carry it)
     started_time: datetime  # of this attempt
     rounds: int
     pairs: list[PairResult] = []
@@ -89,7 +89,7 @@ class ProbePairRequest(Record):
 
 
 class LaunchRequest(Record):
-    """The prober's word to start a rank, with the job's command: an agent reads no job
+    """The runner's word to start a rank, with the job's command: an agent reads no job
     records (S1)."""
 
     gang: str

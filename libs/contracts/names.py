@@ -193,7 +193,7 @@ REMEDIATION_BUCKETS = [
     BUCKET_NODE_LABELS,
 ]
 ALL_BUCKETS += [BUCKET_CORDONS]  # the placer reads cordons
-# The prober reads a failed rank's machine: a fault or a repair may explain it (R17).
+# The runner reads a failed rank's machine: a fault or a repair may explain it (R17).
 ALL_BUCKETS += [BUCKET_ALERTS, BUCKET_REMEDIATIONS]
 
 

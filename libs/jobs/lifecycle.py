@@ -1,5 +1,5 @@
 """A job's life, pure: every transition of its status as a function from the status and what was
-observed to the next status and the event that says so. The placer, the prober and the
+observed to the next status and the event that says so. The placer, the runner and the
 remediator decide *when* and write the result by compare-and-set (`libs.jobs.store`); none of
 them composes a status by hand, and `status.phase` is assigned here only.
 
@@ -146,7 +146,7 @@ def not_ready(status: JobStatus, state: State, reason: str, message: str, t: dat
     )
 
 
-# -- the probe and the run (the prober) ------------------------------------------------------
+# -- the probe and the run (the runner) ------------------------------------------------------
 
 
 def probing(status: JobStatus) -> Step:

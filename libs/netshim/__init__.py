@@ -7,7 +7,7 @@
         fail_job(result.reason, result.message)     # reason "ShimNotLoaded" (G12, G20)
 
 `self_test` runs `nodus-shim-check --json` (netshim/src/check.c), the same static program the
-prober runs inside an image, and decodes its report. The C program is the implementation:
+runner runs inside an image, and decodes its report. The C program is the implementation:
 it must run in images that have no Python (or a musl one), so there is exactly one.
 """
 
@@ -240,7 +240,7 @@ def self_test(launcher: Sequence[str], **options: Unpack[SelfTestOptions]) -> Se
 async def self_test_async(
     launcher: Sequence[str], **options: Unpack[SelfTestOptions]
 ) -> SelfTestResult:
-    """`self_test` for asyncio code (the prober): the check runs as a subprocess."""
+    """`self_test` for asyncio code (the runner): the check runs as a subprocess."""
     command = await asyncio.to_thread(_command, launcher, options)
     try:
         proc = await asyncio.create_subprocess_exec(

@@ -40,7 +40,7 @@ REPO = str(Path(__file__).resolve().parents[2])  # where `services.agent.probe` 
 
 
 # A Direct member's address is nodus0's: it appears once the agent has made the device,
-# which may be a moment after the prober saw the member join.
+# which may be a moment after the runner saw the member join.
 ADDRESS_WAIT = 10.0
 
 

@@ -1,7 +1,7 @@
 """The member side of the probe (G10), run by the agent: a server each member runs on its
 advertised address, and a client run as a separate process with the rank's own environment
 (`python -m services.agent.probe`), so that its connections take the path the workload will
-take (through the shim on the Relayed path). The prober only asks for it over the bus.
+take (through the shim on the Relayed path). The runner only asks for it over the bus.
 
 Protocol on a probe connection, chosen by its first byte:
     R  readiness: the server answers one byte, then closes.

@@ -4,7 +4,7 @@
     .venv/bin/python -m tests.bench.connect --quick    # the same, fewer connects (smoke)
 
 What runs (all real processes, `LocalSystem`, built as tests/bench/relay.py builds its cap-off
-system: nats-server, the placer, the prober, two meshed relays, the remediator, one agent per
+system: nats-server, the placer, the runner, two meshed relays, the remediator, one agent per
 machine): a 2-machine fleet (container A, VM B, transport Auto -> Relayed) and one job whose
 ranks run `sleep`; nothing is measured before the job is Running and both members' tunnels
 are up. An echo listener on B's address stands for a rank's server. The clients are C

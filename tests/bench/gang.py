@@ -3,18 +3,18 @@
     .venv/bin/python -m tests.bench.gang            # 2, 4 and 8 members, 2 s samples, 16 MiB
     .venv/bin/python -m tests.bench.gang --quick    # 2 and 4 members, 0.3 s samples, 2 MiB
 
-Everything runs as real processes (`LocalSystem`: nats-server, placer, prober, two meshed
+Everything runs as real processes (`LocalSystem`: nats-server, placer, runner, two meshed
 relays, one agent per machine) on a fleet written to a temporary state dir: `max(members)` VMs
 of one provider region on one private network (127.0.2.x) and an L4 container + L4 VM pair in
 another region class for the Relayed path. Jobs run one at a time and are deleted when they end.
 
-1. Probe wall time for N members (Private gangs; the command is `python -c pass`). The prober
-   measures every pair once in `rounds(N)` rounds (services/prober/schedule.py: N/2 rounds,
+1. Probe wall time for N members (Private gangs; the command is `python -c pass`). The runner
+   measures every pair once in `rounds(N)` rounds (services/runner/schedule.py: N/2 rounds,
    each member sending one sample and receiving one). Per pair: readiness (3 fresh connections each way, each a connect and a 1-byte
    exchange: ~6 RTT), RTT (one connect and 21 pings: ~22 RTT), a throughput sample of
    `--sample-seconds` (plus its connect and the byte count back: ~2 RTT). The minimum a round
    allows is therefore sample + 30 x RTT (RTT: the slowest pair of the round, as measured), and
-   the minimum of the probe is the sum over its rounds. Reported: the prober's wall time
+   the minimum of the probe is the sum over its rounds. Reported: the runner's wall time
    (probe record startedTime..finishedTime, which includes waiting for the members to join),
    the rounds' wall time (from the last member's join to finishedTime), each round's time
    (from the pairs' measuredTime), and the overhead over the minimum.
@@ -61,7 +61,7 @@ from libs.contracts.epochs import Lease
 from libs.contracts.jobs import Job, PathClass, Phase
 from libs.contracts.lifecycle import PairResult, ProbeRecord
 from libs.contracts.relay import Member
-from services.prober.schedule import rounds
+from services.runner.schedule import rounds
 from tests.bench.running import add_run_flags, bench_main, bench_parser, progress
 from tests.factories import job
 

@@ -3,10 +3,10 @@
     .venv/bin/python -m tests.bench.relay            # about 3 minutes
     .venv/bin/python -m tests.bench.relay --quick    # about 1 minute (smoke)
 
-What runs (all real processes, `LocalSystem`: nats-server, the placer, the prober, two meshed
+What runs (all real processes, `LocalSystem`: nats-server, the placer, the runner, two meshed
 relays, one agent per fleet machine), in two systems, one after the other, in the same run.
 Each job runs `sleep` as its ranks, and nothing is measured before every job is past the
-prober's own probe (a short throughput sample through the same tunnels, reported as `gang`).
+runner's own probe (a short throughput sample through the same tunnels, reported as `gang`).
 
   cap off   a 2-machine fleet (container A, VM B, transport Auto -> Relayed), relays started
             with `--no-rate-limit`. One-way streams A -> B over four paths, in interleaved

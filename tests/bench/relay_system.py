@@ -29,7 +29,7 @@ from tests.factories import job
 from tests.socks_client import socks_connect
 
 USAGE_FLUSH = 1.5  # relays publish usage every 100 ms; a restarted one, once it is up
-PROBE_SAMPLE = 1.0  # seconds of the prober's throughput sample (G10.2) before measuring
+PROBE_SAMPLE = 1.0  # seconds of the runner's throughput sample (G10.2) before measuring
 # The ranks: something that runs quietly for longer than the bench, so every gang is Running
 # (its epoch live) while it is measured; the agents stop it when they stop.
 RANK_COMMAND = ["sleep", "3600"]
@@ -105,7 +105,7 @@ class Gang:
 
 
 def lifecycle(found: Job) -> dict[str, Any]:
-    """Where the job's life stood when measuring began, and the prober's own measurement of
+    """Where the job's life stood when measuring began, and the runner's own measurement of
     the pair (G11: the slowest pair of a short sample through the same path)."""
     status = found.status
     out: dict[str, Any] = {"phase": status.phase.value, "epoch": status.epoch}
@@ -168,7 +168,7 @@ class Bench:
                     command=RANK_COMMAND,
                 )
             )
-        # The gang's life first: the prober's readiness probe and throughput sample go
+        # The gang's life first: the runner's readiness probe and throughput sample go
         # through the same tunnels, so nothing is measured until every job is past probing.
         deadline = time.monotonic() + 180
         while True:

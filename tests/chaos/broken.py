@@ -2,7 +2,7 @@
 must fail, naming the violation, when the system is broken. `LocalSystem.module` runs this
 instead of `app` for the daemons it names; `NODUS_CHAOS_DEFECT` says which defect:
 
-- `prober-fails-all`: the prober concludes every gang's run Failed;
+- `runner-fails-all`: the runner concludes every gang's run Failed;
 - `placer-refuses-every-third`: the placer refuses every third apply;
 - `relay-never-restarts`: a relay started a second time (after a kill) exits at once.
 
@@ -21,12 +21,12 @@ from app.cli.parser import main
 from libs.contracts.api import ApplyReply, ApplyRequest
 from libs.contracts.errors import ErrorCode, NodusError
 from services.placer.service import Placer
-from services.prober.run import GangRun
+from services.runner.run import GangRun
 
 DEFECT_VARIABLE = "NODUS_CHAOS_DEFECT"
 
 
-def prober_fails_all() -> None:
+def runner_fails_all() -> None:
     finish = GangRun._finish
 
     async def failed(
@@ -66,8 +66,8 @@ def relay_never_restarts(argv: list[str]) -> None:
 
 def run(argv: list[str]) -> int:
     defect = os.environ.get(DEFECT_VARIABLE, "")
-    if defect == "prober-fails-all":
-        prober_fails_all()
+    if defect == "runner-fails-all":
+        runner_fails_all()
     elif defect == "placer-refuses-every-third":
         placer_refuses_every_third()
     elif defect == "relay-never-restarts":

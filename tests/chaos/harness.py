@@ -1,9 +1,9 @@
 """A bounded, seeded chaos run (issue 14), Jepsen-style: the real system (`LocalSystem` on a
-three-server NATS cluster, two placer replicas, the prober, the remediator and its monitor,
+three-server NATS cluster, two placer replicas, the runner, the remediator and its monitor,
 two meshed relays, one agent per machine) runs jobs on the Private, Relayed and Direct paths
 (Direct in the network-namespace lab, when this machine has it) while a repair is in flight,
 and a seeded schedule, each kind twice, SIGKILLs and restarts a NATS server, a placer
-replica, the prober, the remediator, a relay and an agent; pauses one process (SIGSTOP) for
+replica, the runner, the remediator, a relay and an agent; pauses one process (SIGSTOP) for
 longer than its heartbeat; pauses the agent of a running gang's member past the placer's
 heartbeat timeout (the member is lost, the gang placed again); and makes two faults at once
 (a relay and an agent, a NATS server and a placer). Afterwards it checks invariants, not timings:
@@ -60,7 +60,7 @@ from libs.contracts.remediation import (
     Policy,
 )
 from services.placer.config import DEFAULT_CONFIG as DEFAULT_PLACER_CONFIG
-from services.prober.billing import SWEEP_SECONDS as LATE_USAGE_SWEEP_SECONDS
+from services.runner.billing import SWEEP_SECONDS as LATE_USAGE_SWEEP_SECONDS
 from tests.chaos.broken import DEFECT_VARIABLE
 from tests.chaos.checks import (
     HEARTBEAT_TIMEOUT_SECONDS,
@@ -76,7 +76,7 @@ from tests.e2e.daemon_logs import DaemonLogs
 # One process each: SIGKILLed and restarted, or (pause) SIGSTOPped for a while; lose-member
 # pauses the agent of a gang's member past the placer's heartbeat timeout, so the member is
 # lost and the gang placed again.
-KINDS = ("nats", "placer", "prober", "remediator", "relay", "agent", "pause", "lose-member")
+KINDS = ("nats", "placer", "runner", "remediator", "relay", "agent", "pause", "lose-member")
 # Two faults at once.
 PAIRS = ("relay+agent", "nats+placer")
 HEARTBEAT_SECONDS = 1.0
@@ -185,7 +185,7 @@ class Chaos(ChaosChecks):
         """The LocalSystem options that start the defect's daemon from the broken build."""
         if self.defect is None:
             return {}
-        daemon = self.defect.split("-", 1)[0]  # prober-..., placer-..., relay-...
+        daemon = self.defect.split("-", 1)[0]  # runner-..., placer-..., relay-...
         return {
             "module": {daemon: "tests.chaos.broken"},
             "extra_env": {DEFECT_VARIABLE: self.defect, "NODUS_CHAOS_STATE": str(self.state)},
@@ -418,7 +418,7 @@ class Chaos(ChaosChecks):
                 break
             await asyncio.sleep(1)
         # Usage the relays metered last reaches the stream, and a bill it changes is amended
-        # by the prober's next sweep.
+        # by the runner's next sweep.
         await asyncio.sleep(3 + LATE_USAGE_SWEEP_SECONDS)
 
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize(
     ("defect", "kinds", "faults", "violation"),
     [
-        ("prober-fails-all", ("agent",), 1, "ended Failed"),
+        ("runner-fails-all", ("agent",), 1, "ended Failed"),
         ("placer-refuses-every-third", ("agent", "nats"), 2, "refused or timed out"),
         ("relay-never-restarts", ("relay",), 1, "did not come back after its restart"),
     ],

@@ -1,5 +1,5 @@
 """Done-when of the gang's life (issue 5), with real processes (`LocalSystem`: nats-server,
-placer, prober, two meshed relays, one agent per fleet machine):
+placer, runner, two meshed relays, one agent per fleet machine):
 
 - a 4-member Private gang goes from apply to Succeeded running the example all-reduce, probed
   in 2 rounds (4 pairs, then 2: 6 pairs), `status.gang.probe` filled from measured values, the
@@ -8,8 +8,8 @@ placer, prober, two meshed relays, one agent per fleet machine):
   path `derp:<region>`, its relay bytes billed as mesh-relay GiB and shown by `nodus usage`;
 - the bill counts every relay byte the run sent, and a gang that ended gives its machines back.
 
-(A member lost during the run: test_gang_member_loss.py; the prober killed and restarted:
-test_prober_restart.py.)
+(A member lost during the run: test_gang_member_loss.py; the runner killed and restarted:
+test_runner_restart.py.)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from libs.contracts.base import decode
 from libs.contracts.epochs import Lease
 from libs.contracts.jobs import ConditionType, Phase
 from libs.contracts.relay import RelayRecord, UsageRecord
-from services.prober.schedule import rounds
+from services.runner.schedule import rounds
 from tests.e2e.gang_system import (
     SAMPLE_SECONDS,
     WORKLOAD,
@@ -177,7 +177,7 @@ async def test_b_the_bill_counts_every_relay_byte_the_run_sent(tmp_path: Path) -
     finishedTime holds bytes the run sent, so the bill must cover at least their sum (and
     `nodus usage` must not show more for the job than it was billed for its run).
 
-    Fails today: the prober sums the usage stream the instant the last rank exits, before the
+    Fails today: the runner sums the usage stream the instant the last rank exits, before the
     relays' last flush, so up to the last second of the run's relay bytes is never billed."""
     machines = [eu_machine("vast-s", "container", 88), eu_machine("lam-s", "vm", 89)]
     async with local_system(tmp_path, machines) as (system, client, bus):

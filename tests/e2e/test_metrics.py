@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("prometheus") is None, reason="deploy/dev/system-deps.sh"),
 ]
 
-KINDS = {"placer", "prober", "relay", "agent", "remediator", "monitor"}
+KINDS = {"placer", "runner", "relay", "agent", "remediator", "monitor"}
 
 
 def _get(url: str) -> Any:

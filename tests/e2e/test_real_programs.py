@@ -2,7 +2,7 @@
 shim (a rank's environment: LD_PRELOAD, NODUS_NETSHIM_PEERS, NODUS_NETSHIM_SOCKS), the agents'
 tunnels and the relays, with relays SIGKILLed under them.
 
-One system (LocalSystem: nats-server, placer, prober, two meshed relays, remediator, an agent
+One system (LocalSystem: nats-server, placer, runner, two meshed relays, remediator, an agent
 per machine) and one gang running `sleep 3600` serve every test of the module up to the
 torchrun one, which runs its own job to completion on a system of its own. Clients run with
 rank 0's environment; servers listen on rank 1's fleet address, where its agent delivers the

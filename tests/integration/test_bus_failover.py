@@ -103,7 +103,7 @@ async def test_counting_through_the_loss_of_a_server_loses_nothing_and_doubles_n
         port = connected.port
         own = next(i for i, s in enumerate(cluster.servers) if s.port == port)
         cluster.kill(own)  # the server this client talks to: it moves to another
-        # A replay begun at once (the prober's bill, `nodus usage`) reads every message: its
+        # A replay begun at once (the runner's bill, `nodus usage`) reads every message: its
         # consumer is made while the client is still reconnecting.
         replayed = await bus.replay(STREAM, "failover.>")
         assert len(replayed) == published == 200

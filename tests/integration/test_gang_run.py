@@ -23,7 +23,7 @@ from libs.contracts.placer import PlacerConfig
 from libs.netshim import SHIM_PATH, ensure_built
 from services.agent.agent import Agent
 from services.agent.inventory import network_namespace
-from services.prober.service import Prober
+from services.runner.service import Runner
 from tests.conftest import StartPlacer, eventually
 from tests.factories import job, machine, node_record, register
 from tests.integration.conftest import meshed_relays
@@ -67,10 +67,10 @@ async def system(
         await agent.start()
     config = msgspec.structs.replace(placer_config, shim_path=str(SHIM_PATH))
     await start_placer(config)
-    prober = Prober(bus, "prober-test", sample_seconds=0.5, readiness_seconds=30)
-    await prober.start()
+    runner = Runner(bus, "runner-test", sample_seconds=0.5, readiness_seconds=30)
+    await runner.start()
     yield Client(bus)
-    await prober.stop()
+    await runner.stop()
     for agent in agents:
         await agent.stop()
     for relay in relays:
@@ -258,8 +258,8 @@ async def test_a_pair_that_cannot_connect_fails_the_epoch_and_the_gang_is_placed
     for agent in agents:
         await agent.start()
     await start_placer()
-    prober = Prober(bus, "prober-test", sample_seconds=0.3, readiness_seconds=3)
-    await prober.start()
+    runner = Runner(bus, "runner-test", sample_seconds=0.3, readiness_seconds=3)
+    await runner.start()
     client = Client(bus)
     try:
         await client.apply(
@@ -284,7 +284,7 @@ async def test_a_pair_that_cannot_connect_fails_the_epoch_and_the_gang_is_placed
         assert probe_one is not None and probe_one.value.state == "Failed"
         assert "a-broken" in (probe_one.value.reason or "")
     finally:
-        await prober.stop()
+        await runner.stop()
         for agent in agents:
             await agent.stop()
 
@@ -315,8 +315,8 @@ async def test_an_auto_gang_whose_direct_path_fails_continues_as_relayed(
     await start_placer(msgspec.structs.replace(placer_config, shim_path=str(SHIM_PATH)))
     # Long enough for the Relayed epoch's tunnels to come up on a loaded machine (2 s was
     # not, in CI: "No route to host" and a third epoch); the Direct epoch fails after it.
-    prober = Prober(bus, "prober-test", sample_seconds=0.3, readiness_seconds=6)
-    await prober.start()
+    runner = Runner(bus, "runner-test", sample_seconds=0.3, readiness_seconds=6)
+    await runner.start()
     client = Client(bus)
     try:
         await client.apply(
@@ -341,7 +341,7 @@ async def test_an_auto_gang_whose_direct_path_fails_continues_as_relayed(
         failed = await client.bus.bucket(names.BUCKET_PROBES, ProbeRecord).get("acme.fallback.1")
         assert failed is not None and failed.value.state == "Failed"
     finally:
-        await prober.stop()
+        await runner.stop()
         for agent in agents:
             await agent.stop()
         for relay in relays:
@@ -362,8 +362,8 @@ async def test_a_gang_that_fails_every_epoch_fails_with_each_reason(
     for agent in agents:
         await agent.start()
     await start_placer()
-    prober = Prober(bus, "prober-test", sample_seconds=0.2, readiness_seconds=0.5)
-    await prober.start()
+    runner = Runner(bus, "runner-test", sample_seconds=0.2, readiness_seconds=0.5)
+    await runner.start()
     client = Client(bus)
     try:
         await client.apply(
@@ -385,6 +385,6 @@ async def test_a_gang_that_fails_every_epoch_fails_with_each_reason(
             result.status.billing is None or result.status.billing.boot_seconds == 0
         )  # not billed
     finally:
-        await prober.stop()
+        await runner.stop()
         for agent in agents:
             await agent.stop()

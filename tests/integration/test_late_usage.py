@@ -15,7 +15,7 @@ from libs.contracts.bounds import derive
 from libs.contracts.epochs import Epoch
 from libs.contracts.jobs import Billing, Job, PathClass, Phase
 from libs.contracts.relay import UsageRecord
-from services.prober.billing import LateUsage
+from services.runner.billing import LateUsage
 from tests.factories import job
 
 GIB = 2**30

@@ -18,7 +18,7 @@ from libs.contracts.jobs import ConditionType, Phase
 from libs.contracts.lifecycle import RankStatus
 from libs.contracts.placer import PlacerConfig
 from services.agent.agent import Agent
-from services.prober.service import Prober
+from services.runner.service import Runner
 from tests.conftest import StartPlacer, eventually
 from tests.factories import job, machine
 
@@ -38,8 +38,8 @@ async def test_a_lost_member_fences_the_epoch_and_the_gang_runs_again_without_it
     for agent in agents.values():
         await agent.start()
     await start_placer(msgspec.structs.replace(placer_config, heartbeat_timeout_seconds=1.5))
-    prober = Prober(bus, "prober-test", sample_seconds=0.2, readiness_seconds=5)
-    await prober.start()
+    runner = Runner(bus, "runner-test", sample_seconds=0.2, readiness_seconds=5)
+    await runner.start()
     client = Client(bus)
     try:
         # A long-running command: the gang is Running when a member dies.
@@ -98,7 +98,7 @@ async def test_a_lost_member_fences_the_epoch_and_the_gang_runs_again_without_it
         else:
             raise AssertionError("the fenced epoch was accepted")
     finally:
-        await prober.stop()
+        await runner.stop()
         for agent in agents.values():
             await agent.stop()
 
@@ -128,8 +128,8 @@ async def test_a_gang_with_no_other_machine_goes_back_to_the_one_it_lost_once_it
     for agent in agents.values():
         await agent.start()
     await start_placer(msgspec.structs.replace(placer_config, heartbeat_timeout_seconds=1.5))
-    prober = Prober(bus, "prober-test", sample_seconds=0.2, readiness_seconds=5)
-    await prober.start()
+    runner = Runner(bus, "runner-test", sample_seconds=0.2, readiness_seconds=5)
+    await runner.start()
     client = Client(bus)
     try:
         await client.apply(
@@ -160,7 +160,7 @@ async def test_a_gang_with_no_other_machine_goes_back_to_the_one_it_lost_once_it
         assert lost in second.status.avoid  # still said: it was avoided while it could be
         assert second.status.lost == [lost]  # lost, not a probe's suspect: it may come back
     finally:
-        await prober.stop()
+        await runner.stop()
         for agent in agents.values():
             await agent.stop()
         for own in buses:

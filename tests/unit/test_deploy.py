@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-DAEMONS = ["placer", "prober", "relay", "agent", "remediator", "monitor"]
+DAEMONS = ["placer", "runner", "relay", "agent", "remediator", "monitor"]
 MOST_EXPOSED = 5.0  # systemd-analyze security: up to 5.0 is "OK"
 
 
@@ -33,7 +33,7 @@ def test_every_manifest_is_valid_for_kubernetes() -> None:
     version = kubernetes_validate.utils.latest_version()
     manifests = _manifests()
     kinds = {(str(doc["kind"]), str(doc["metadata"]["name"])) for _, doc in manifests}
-    for component in ("placer", "prober", "remediator", "relay"):
+    for component in ("placer", "runner", "remediator", "relay"):
         assert ("Deployment", f"nodus-{component}") in kinds
     assert ("DaemonSet", "nodus-agent") in kinds
     for name, doc in manifests:
@@ -50,7 +50,7 @@ def test_relays_spread_across_zones_and_services_run_replicas() -> None:
     relay = by_name[("Deployment", "nodus-relay")]["spec"]
     spread = relay["template"]["spec"]["topologySpreadConstraints"]
     assert any(c["topologyKey"] == "topology.kubernetes.io/zone" for c in spread)
-    for component in ("placer", "prober", "remediator"):
+    for component in ("placer", "runner", "remediator"):
         assert by_name[("Deployment", f"nodus-{component}")]["spec"]["replicas"] >= 2
 
 

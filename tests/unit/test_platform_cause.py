@@ -15,7 +15,7 @@ from libs.contracts.remediation import (
     RemediationState,
     Requester,
 )
-from services.prober.platform import platform_cause
+from services.runner.platform import platform_cause
 
 T = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 

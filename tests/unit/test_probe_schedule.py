@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from services.prober.schedule import rounds
+from services.runner.schedule import rounds
 
 
 @pytest.mark.parametrize("n", range(2, 9))

@@ -27,11 +27,11 @@ from libs.contracts.jobs import FINISHED_PHASES as FINAL
 from libs.contracts.jobs import Billing, Job, JobEvent, PathClass
 from libs.contracts.relay import UsageRecord
 
-log = logging.getLogger("nodus.prober.billing")
+log = logging.getLogger("nodus.runner.billing")
 
 SWEEP_SECONDS = 5.0
 # At start, finished jobs this recent are checked once (a record may have come while no
-# prober ran); older bills stand unless a new record for them arrives.
+# runner ran); older bills stand unless a new record for them arrives.
 RECENT_AT_START = timedelta(minutes=30)
 
 

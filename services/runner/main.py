@@ -1,15 +1,21 @@
-"""`nodus prober`: probes placed epochs, qualifies their network, runs the gang to the end."""
+"""`nodus runner`: probes placed epochs, qualifies their network, runs the gang to the end.
+Called the prober until this release: `nodus prober` still starts it, with a warning, and its
+metrics are exported under their old names too (`nodus_prober_*`), for one release."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS
 from libs.runtime import add_common_flags, run_daemon
-from services.prober.service import Prober
+from services.runner.metrics import export_old_names
+from services.runner.service import Runner
+
+log = logging.getLogger("nodus.runner")
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +41,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         "--takeover-seconds",
         type=float,
         default=HEARTBEAT_TIMEOUT_SECONDS,
-        help="take over an epoch's probe whose prober has not renewed its heartbeat for this "
+        help="take over an epoch's probe whose runner has not renewed its heartbeat for this "
         f"long (default {HEARTBEAT_TIMEOUT_SECONDS:g}); a replica restarted under its "
         "--replica name takes its own back at once",
     )
@@ -44,21 +50,36 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
     bus = await Bus.open(
         args.nats,
-        name="nodus-prober",
+        name="nodus-runner",
         credentials=args.credentials,
         buckets=names.ALL_BUCKETS,
         streams=True,
     )
-    prober = Prober(
+    runner = Runner(
         bus, args.replica, args.sample_seconds, args.readiness_seconds, args.takeover_seconds
     )
     try:
-        await prober.start()
+        await runner.start()
         await stop.wait()
     finally:
-        await prober.stop()
+        await runner.stop()
         await bus.close()
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_daemon("prober", args, _body)
+    export_old_names()
+    return run_daemon("runner", args, _body)
+
+
+def run_as_prober(args: argparse.Namespace) -> int:
+    """`nodus prober`, the old name: the same daemon, and a warning in its log."""
+
+    async def body(args: argparse.Namespace, stop: asyncio.Event) -> None:
+        log.warning(
+            "`nodus prober` is deprecated and goes in the next release: the service is "
+            "`nodus runner` (its systemd unit nodus-runner.service, its metrics nodus_runner_*)"
+        )
+        await _body(args, stop)
+
+    export_old_names()
+    return run_daemon("runner", args, body)

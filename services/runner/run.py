@@ -2,7 +2,7 @@
 exit is checked, and the job concludes Succeeded or Failed and is billed boot time, run time
 and relay bytes (Relayed only). While it runs, the Direct members' paths (`nodus-paths`) set
 `NetworkDegraded` (G13): True, naming the pairs, while some pair goes through the relays. Every step is a transition of the job (libs.jobs) written by compare-and-set, so replicas that
-race (or a prober that comes back after a rank exited) conclude and bill it once."""
+race (or a runner that comes back after a rank exited) conclude and bill it once."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from datetime import datetime
 from typing import Literal
 
 from nats.errors import Error as NatsError
-from prometheus_client import Counter
 
 from libs.bus import Bus
 from libs.contracts import names
@@ -32,23 +31,21 @@ from libs.jobs import lifecycle
 from libs.jobs.lifecycle import FAULT_BROKE_MEMBER
 from libs.jobs.store import advance, restart_gang
 from libs.runtime.tasks import TaskSet
-from services.prober.billing import LateUsage
-from services.prober.billing import relay_bytes as billed_relay_bytes
-from services.prober.metrics import DEGRADED, JOBS, forget_gang
-from services.prober.platform import platform_cause
+from services.runner.billing import LateUsage
+from services.runner.billing import relay_bytes as billed_relay_bytes
+from services.runner.metrics import DEGRADED, JOBS, RUNS, forget_gang
+from services.runner.platform import platform_cause
 
 # How long a failed rank waits for the fault that may explain it (its alert).
 PLATFORM_GRACE_SECONDS = 5.0
 
-log = logging.getLogger("nodus.prober")
+log = logging.getLogger("nodus.runner")
 
 USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (0.1 s) plus delivery
 
-RUNS = Counter("nodus_prober_runs_total", "Gang runs by outcome", ["outcome"])
-
 
 class GangRun:
-    """Launch, conclude and bill; shares the prober's process and bus connection."""
+    """Launch, conclude and bill; shares the runner's process and bus connection."""
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
@@ -111,7 +108,7 @@ class GangRun:
 
     async def _watch_ranks(self) -> None:
         """The watch begins with every rank's current record: an exit that happened while no
-        prober was up concludes its job when one starts."""
+        runner was up concludes its job when one starts."""
         async for change in self.ranks.watch():
             status = change.value
             if status is not None and status.state != "Running":
@@ -249,7 +246,7 @@ class GangRun:
     async def _finish(
         self, gang: str, epoch: int, succeeded: bool, reason: str, message: str, t: datetime
     ) -> None:
-        """The end at `t` (when the ranks ended, even if no prober was up then), billed once:
+        """The end at `t` (when the ranks ended, even if no runner was up then), billed once:
         the compare-and-set from Running lets one writer conclude."""
         # Relays publish what members sent every 0.1 s: wait for the last flush of the run.
         stored = await self.epochs.get(names.epoch_key(gang, epoch))

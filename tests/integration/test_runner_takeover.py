@@ -1,6 +1,6 @@
-"""Prober replicas take over from one that died (R14): an epoch left Probing is probed again from
-the start by exactly one other replica, and rank exits that happened while no prober was up
-still conclude the job, billed once. The prober that dies is stopped without any cleanup, so
+"""Runner replicas take over from one that died (R14): an epoch left Probing is probed again from
+the start by exactly one other replica, and rank exits that happened while no runner was up
+still conclude the job, billed once. The runner that dies is stopped without any cleanup, so
 its probe record is left Running with a heartbeat that is no longer renewed; one stopped on
 purpose releases its probe, taken over at once."""
 
@@ -20,7 +20,7 @@ from libs.contracts import names
 from libs.contracts.jobs import ConditionType, Job, Phase
 from libs.contracts.lifecycle import RankStatus
 from services.agent.agent import Agent
-from services.prober.service import Prober
+from services.runner.service import Runner
 from tests.conftest import StartPlacer, eventually
 from tests.factories import job, machine
 
@@ -45,8 +45,8 @@ async def client(bus: Bus, start_placer: StartPlacer, tmp_path: Path) -> AsyncIt
         await agent.stop()
 
 
-def prober(bus: Bus, replica: str) -> Prober:
-    return Prober(bus, replica, sample_seconds=1.0, readiness_seconds=5, takeover_seconds=TAKEOVER)
+def runner(bus: Bus, replica: str) -> Runner:
+    return Runner(bus, replica, sample_seconds=1.0, readiness_seconds=5, takeover_seconds=TAKEOVER)
 
 
 class JobHistory:
@@ -89,15 +89,15 @@ async def wait_phase(client: Client, name: str, phase: Phase, timeout: float = 3
 
 
 def takeovers() -> float:
-    return REGISTRY.get_sample_value("nodus_prober_takeovers_total") or 0.0
+    return REGISTRY.get_sample_value("nodus_runner_takeovers_total") or 0.0
 
 
 async def test_an_epoch_left_probing_is_taken_over_by_exactly_one_other_replica(
     bus: Bus, client: Client
 ) -> None:
-    first = prober(bus, "prober-a")
+    first = runner(bus, "runner-a")
     await first.start()
-    others = [prober(bus, "prober-b"), prober(bus, "prober-c")]
+    others = [runner(bus, "runner-b"), runner(bus, "runner-c")]
     history = JobHistory(bus, "acme.taken")
     before = takeovers()
     try:
@@ -111,7 +111,7 @@ async def test_an_epoch_left_probing_is_taken_over_by_exactly_one_other_replica(
         )
         probing = await wait_phase(client, "taken", Phase.PROBING)
         held = await client.probe(probing)
-        assert held is not None and held.prober == "prober-a" and held.state == "Running"
+        assert held is not None and held.prober == "runner-a" and held.state == "Running"
         for other in others:  # two replicas that will race for the takeover
             await other.start()
         await first.stop(release=False)  # dies mid-probe: the record stays Running, aging
@@ -119,7 +119,7 @@ async def test_an_epoch_left_probing_is_taken_over_by_exactly_one_other_replica(
         done = await wait_phase(client, "taken", Phase.SUCCEEDED, timeout=60)
         record = await client.probe(done)
         assert record is not None and record.state == "Qualified", record
-        assert record.prober in {"prober-b", "prober-c"} and record.attempt == 2, record
+        assert record.prober in {"runner-b", "runner-c"} and record.attempt == 2, record
         assert len(record.pairs) == 1 and record.pairs[0].ok and record.pairs[0].tcp_gbps > 0
         assert done.status.epoch == 1  # the same epoch, probed again, not placed again
         assert done.status.gang is not None and done.status.gang.probe is not None
@@ -137,13 +137,13 @@ async def test_an_epoch_left_probing_is_taken_over_by_exactly_one_other_replica(
             await other.stop()
 
 
-async def test_ranks_that_end_while_no_prober_is_up_conclude_the_job_when_one_starts(
+async def test_ranks_that_end_while_no_runner_is_up_conclude_the_job_when_one_starts(
     bus: Bus, client: Client
 ) -> None:
-    first = prober(bus, "prober-a")
+    first = runner(bus, "runner-a")
     await first.start()
     history = JobHistory(bus, "acme.unwatched")
-    later: Prober | None = None
+    later: Runner | None = None
     try:
         await client.apply(
             job(
@@ -162,17 +162,17 @@ async def test_ranks_that_end_while_no_prober_is_up_conclude_the_job_when_one_st
             return len(found) == 2 and all(f.value.state == "Exited" for f in found)
 
         await eventually(exited, 20)
-        await asyncio.sleep(1.0)  # the job stays Running while no prober is up
+        await asyncio.sleep(1.0)  # the job stays Running while no runner is up
         assert (await client.get_job("unwatched")).status.phase is Phase.RUNNING
 
-        later = prober(bus, "prober-b")
+        later = runner(bus, "runner-b")
         await later.start()
         done = await wait_phase(client, "unwatched", Phase.SUCCEEDED)
         ready = done.condition(ConditionType.GANG_READY)
         assert ready is not None and ready.reason == "Completed"
         billing = done.status.billing
         assert billing is not None and billing.boot_seconds > 0
-        # Billed to when the ranks ended, not to when a prober came back.
+        # Billed to when the ranks ended, not to when a runner came back.
         assert 0.9 <= billing.run_seconds < 2.0, billing
         record = await client.probe(done)
         assert record is not None and record.state == "Qualified" and record.attempt == 1
@@ -186,17 +186,17 @@ async def test_ranks_that_end_while_no_prober_is_up_conclude_the_job_when_one_st
             await later.stop()
 
 
-async def test_a_prober_stopped_on_purpose_hands_its_probe_over_at_once(
+async def test_a_runner_stopped_on_purpose_hands_its_probe_over_at_once(
     bus: Bus, client: Client
 ) -> None:
     """An upgrade or a drain stops a replica mid-probe: it releases what it holds, and another
     replica probes the epoch again without waiting out a (here 60 s) takeover window."""
     window = 60.0
-    first = Prober(
-        bus, "prober-a", sample_seconds=1.0, readiness_seconds=5, takeover_seconds=window
+    first = Runner(
+        bus, "runner-a", sample_seconds=1.0, readiness_seconds=5, takeover_seconds=window
     )
-    second = Prober(
-        bus, "prober-b", sample_seconds=1.0, readiness_seconds=5, takeover_seconds=window
+    second = Runner(
+        bus, "runner-b", sample_seconds=1.0, readiness_seconds=5, takeover_seconds=window
     )
     await first.start()
     try:
@@ -213,7 +213,7 @@ async def test_a_prober_stopped_on_purpose_hands_its_probe_over_at_once(
         await first.stop()
         done = await wait_phase(client, "handed", Phase.SUCCEEDED, timeout=window / 2)
         record = await client.probe(done)
-        assert record is not None and record.prober == "prober-b" and record.attempt == 2, record
+        assert record is not None and record.prober == "runner-b" and record.attempt == 2, record
         assert not record.released
     finally:
         await first.stop()

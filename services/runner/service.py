@@ -1,4 +1,4 @@
-"""The central prober (G10-G12): when an epoch is placed it probes every pair in rounds through
+"""The central runner (G10-G12): when an epoch is placed it probes every pair in rounds through
 the members' agents, publishes the slowest pair and NetworkQualified, and hands the qualified
 epoch to the gang's run (`run.py`: launch, conclude, bill). A failed probe sends the gang back
 to placement (not billed); ShimNotLoaded fails the Job at once (billed)."""
@@ -14,7 +14,6 @@ from typing import Literal, TypeVar
 
 import msgspec
 import nats.errors
-from prometheus_client import Counter, Histogram
 
 from libs.bus import Bus
 from libs.contracts import names
@@ -42,28 +41,17 @@ from libs.contracts.relay import Member
 from libs.jobs import lifecycle
 from libs.jobs.store import advance
 from libs.runtime.tasks import TaskSet
-from services.prober.metrics import record_pairs
-from services.prober.run import GangRun
-from services.prober.schedule import rounds
+from services.runner.metrics import PROBE_SECONDS, PROBES, TAKEOVERS, record_pairs
+from services.runner.run import GangRun
+from services.runner.schedule import rounds
 
-log = logging.getLogger("nodus.prober")
+log = logging.getLogger("nodus.runner")
 R = TypeVar("R", bound=msgspec.Struct)
 
 MAX_EPOCHS = 5  # epochs a gang may fail its probe in before the Job fails
 
-PROBES = Counter("nodus_prober_probes_total", "Epoch probes by outcome", ["outcome"])
-PROBE_SECONDS = Histogram(
-    "nodus_prober_probe_seconds",
-    "Wall time of one epoch's probe",
-    buckets=(1, 2, 5, 10, 20, 40, 80, 160, 320),
-)
-TAKEOVERS = Counter(
-    "nodus_prober_takeovers_total",
-    "Epoch probes taken over from a prober replica that went silent or restarted",
-)
 
-
-class Prober:
+class Runner:
     def __init__(
         self,
         bus: Bus,
@@ -73,7 +61,7 @@ class Prober:
         takeover_seconds: float = HEARTBEAT_TIMEOUT_SECONDS,
     ) -> None:
         self.bus = bus
-        self.replica = replica or f"prober-{secrets.token_hex(3)}"
+        self.replica = replica or f"runner-{secrets.token_hex(3)}"
         self.sample_seconds = sample_seconds
         self.readiness_seconds = readiness_seconds
         self.jobs = bus.bucket(names.BUCKET_JOBS, Job)
@@ -84,7 +72,7 @@ class Prober:
         self.instance = secrets.token_hex(4)  # this process, in the probe records it holds
         self.takeover_seconds = takeover_seconds
         self.beat_seconds = takeover_seconds / HEARTBEATS_PER_TIMEOUT
-        self.tasks = TaskSet("prober", log)
+        self.tasks = TaskSet("runner", log)
         self._active: dict[tuple[str, int], asyncio.Task[None]] = {}  # epochs probed here
         self._open: dict[str, int] = {}  # Placed or Probing jobs -> their epoch
 
@@ -93,7 +81,7 @@ class Prober:
         caught_up = asyncio.Event()
         self.tasks.spawn(self._watch_jobs(caught_up), name="watch-jobs")
         self.tasks.spawn(self._sweep(caught_up), name="takeover-sweep")
-        log.info("prober %s ready", self.replica)
+        log.info("runner %s ready", self.replica)
 
     async def stop(self, release: bool = True) -> None:
         """Stop; what it was probing is released to the other replicas (`release=False`: as
@@ -230,7 +218,7 @@ class Prober:
                 log.warning("%s epoch %d: heartbeat not written: %s", gang, epoch, error)
                 continue
             if beat is None:
-                log.warning("%s epoch %d: another prober took the probe over", gang, epoch)
+                log.warning("%s epoch %d: another runner took the probe over", gang, epoch)
                 holder.cancel()
                 return
 
