@@ -1,8 +1,10 @@
 """The gang's run (G17): once the probe qualified an epoch, its ranks are launched; every rank
 exit is checked, and the job concludes Succeeded or Failed and is billed boot time, run time
 and relay bytes (Relayed only). While it runs, the Direct members' paths (`nodus-paths`) set
-`NetworkDegraded` (G13): True, naming the pairs, while some pair goes through the relays. Every step is a transition of the job (libs.jobs) written by compare-and-set, so replicas that
-race (or a runner that comes back after a rank exited) conclude and bill it once."""
+`NetworkDegraded` (G13): True, naming the pairs, while some pair goes through the relays.
+Every step is a transition of the job (libs.jobs) written by compare-and-set, so replicas that
+race (or a runner that comes back after a rank exited) conclude and bill it once. A job is
+concluded from the rank records its watch delivered, on each exit and again on a period."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from libs.contracts.base import now
 from libs.contracts.epochs import Epoch
 from libs.contracts.errors import NodusError
 from libs.contracts.jobs import (
+    FINISHED_PHASES,
     Job,
     JobStatus,
     PathClass,
@@ -41,6 +44,7 @@ PLATFORM_GRACE_SECONDS = 5.0
 
 log = logging.getLogger("nodus.runner")
 
+CONCLUDE_SWEEP_SECONDS = 5.0
 USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (0.1 s) plus delivery
 
 
@@ -58,10 +62,17 @@ class GangRun:
         self.paths = bus.bucket(names.BUCKET_PATHS, MemberPaths)
         self.tasks = TaskSet("gang run", log)
 
+        # Every rank record, as the watch delivered them (in order): a rank's exit concludes
+        # from what the watch saw, not from a read that a lagging replica may answer with an
+        # older record (chaos found jobs left Running with every rank exited that way).
+        self._ranks: dict[str, RankStatus] = {}
+        self._running: dict[str, int] = {}  # gang -> epoch, of the jobs Running
+
     async def start(self) -> None:
         self.tasks.spawn(self._watch_ranks(), name="watch-ranks")
         self.tasks.spawn(self._watch_paths(), name="watch-paths")
         self.tasks.spawn(self._count_phases(), name="count-phases")
+        self.tasks.spawn(self._sweep_running(), name="sweep-running")
         self.tasks.spawn(LateUsage(self.bus).run(), name="late-usage")
 
     async def stop(self) -> None:
@@ -111,7 +122,11 @@ class GangRun:
         runner was up concludes its job when one starts."""
         async for change in self.ranks.watch():
             status = change.value
-            if status is not None and status.state != "Running":
+            if status is None:
+                self._ranks.pop(change.key, None)
+                continue
+            self._ranks[change.key] = status
+            if status.state != "Running":
                 # One task per exit: a check that runs while another rank exits must not be
                 # the last one (the job's compare-and-set lets one of them conclude).
                 self.tasks.spawn(
@@ -124,10 +139,38 @@ class GangRun:
         async for change in self.jobs.watch():
             if change.value is None:
                 phases.pop(change.key, None)
+                self._running.pop(change.key, None)
             else:
                 phases[change.key] = change.value.status.phase
+                if change.value.status.phase is Phase.RUNNING:
+                    self._running[change.key] = change.value.status.epoch
+                else:
+                    self._running.pop(change.key, None)
+                    if change.value.status.phase in FINISHED_PHASES:
+                        self._forget_ranks(change.key)
             for phase in Phase:
                 JOBS.labels(phase.value).set(sum(1 for p in phases.values() if p is phase))
+
+    async def _sweep_running(self) -> None:
+        """Every Running job is looked at again on a period: an exit whose conclusion failed
+        (the bus failing over under it) or was decided on an old read is not left for ever."""
+        while True:
+            await asyncio.sleep(CONCLUDE_SWEEP_SECONDS)
+            for gang, epoch in list(self._running.items()):
+                name = f"conclude {gang}.{epoch}"
+                busy = any(task.get_name() == name for task in self.tasks)
+                if self._some_ended(gang, epoch) and not busy:
+                    self.tasks.spawn(self._conclude(gang, epoch), name=name)
+
+    def _some_ended(self, gang: str, epoch: int) -> bool:
+        prefix = f"{gang}.{epoch}."
+        return any(r.state != "Running" for k, r in self._ranks.items() if k.startswith(prefix))
+
+    def _forget_ranks(self, gang: str) -> None:
+        """A finished job's rank records are not needed to conclude it again."""
+        prefix = f"{gang}."
+        for key in [k for k in self._ranks if k.startswith(prefix)]:
+            del self._ranks[key]
 
     async def _watch_paths(self) -> None:
         async for change in self.paths.watch():
@@ -175,19 +218,12 @@ class GangRun:
         stored = await self.epochs.get(names.epoch_key(gang, epoch))
         if stored is None:
             return
-        found = await asyncio.gather(
-            *(
-                self.ranks.get(names.rank_key(gang, epoch, m.rank, m.node))
-                for m in stored.value.members
-            )
-        )
-        statuses = {f.key: f for f in found if f is not None}
+        keys = [names.rank_key(gang, epoch, m.rank, m.node) for m in stored.value.members]
+        statuses = [self._ranks[key] for key in keys if key in self._ranks]
         members = {m.rank: m.node for m in stored.value.members}
         # A rank the platform stopped (fencing, a machine going away) is not the workload
         # failing: the gang is re-placed by the member-loss path instead.
-        failed = [
-            s.value for s in statuses.values() if s.value.state == "Exited" and s.value.exit_code
-        ]
+        failed = [s for s in statuses if s.state == "Exited" and s.exit_code]
         if failed:
             first = min(failed, key=lambda s: s.ended_time or now())
             if await self._platform_failed(gang, epoch, first):
@@ -201,11 +237,7 @@ class GangRun:
                 first.ended_time or now(),
             )
             return
-        done = [
-            s.value
-            for s in statuses.values()
-            if s.value.state == "Exited" and s.value.exit_code == 0
-        ]
+        done = [s for s in statuses if s.state == "Exited" and s.exit_code == 0]
         if len(done) == len(members):
             last = max((s.ended_time or now() for s in done), default=now())
             await self._finish(

@@ -80,6 +80,7 @@ KINDS = ("nats", "placer", "runner", "remediator", "relay", "agent", "pause", "l
 # Two faults at once.
 PAIRS = ("relay+agent", "nats+placer")
 HEARTBEAT_SECONDS = 1.0
+MIN_JOBS = 6  # applied by every run, however few its faults: two of each path
 ALERT_PROBE_NODES = ("c-2", "c-1", "c-0")  # where a fault is written after a remediator's
 
 
@@ -114,6 +115,7 @@ class Chaos(ChaosChecks):
         self.metered: list[float] = []  # when a client saw a relay's usage record
         self.restored: list[tuple[FaultRecord, float]] = []  # each fault, when it ended
         self._alert_probes = 0
+        self._enough_jobs = asyncio.Event()  # MIN_JOBS applies tried, refused ones included
         self._placed: dict[str, datetime] = {}
         self.events: dict[str, bytes] = {}  # Nats-Msg-Id -> data, as a client saw them
         self.fenced_seen: set[str] = set()
@@ -150,9 +152,10 @@ class Chaos(ChaosChecks):
                 faults.inject(system.machine_dir("h-3"), faults.Fault(kind="readonly-fs"))
             workload = asyncio.create_task(self._apply_jobs())
             for kind in self._schedule():
-                await asyncio.sleep(self.rng.uniform(2.0, 4.0))
+                await asyncio.sleep(self.rng.uniform(1.0, 2.5))
                 await self._fault(kind)
             await self._recovered()  # jobs go on being applied until each fault's next placement
+            await self._enough_jobs.wait()  # a short run (the harness's own tests) too
             workload.cancel()
             await self._settle()
             await self._check()
@@ -209,12 +212,13 @@ class Chaos(ChaosChecks):
             try:
                 await self.client.apply(job(index, self.netns))
                 self.applied.append(f"chaos-{index}")
-                index += 1
             except Exception as error:  # one server down must not refuse a client
                 self.report.violations.append(
                     f"apply chaos-{index} refused or timed out: {type(error).__name__}: {error}"
                 )
-                index += 1
+            index += 1
+            if index >= MIN_JOBS:
+                self._enough_jobs.set()
             await asyncio.sleep(4.0)
 
     # -- faults ------------------------------------------------------------------------------
@@ -239,7 +243,7 @@ class Chaos(ChaosChecks):
         """Kill (or pause) and bring back one process; (its name, how long it was down)."""
         system = self.system
         assert system is not None and isinstance(system.nats, NatsCluster)
-        down = self.rng.uniform(2.0, 5.0)
+        down = self.rng.uniform(1.5, 4.0)
         if kind == "nats":
             index = self.rng.randrange(len(system.nats.servers))
             system.nats.kill(index)
