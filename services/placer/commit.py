@@ -37,6 +37,7 @@ from libs.runtime.tasks import TaskSet
 from services.placer.cluster import ClusterView
 from services.placer.environment import device_names, rank_environments
 from services.placer.invariants import check_plan
+from services.placer.jobcache import JobCache
 from services.placer.planner import Exclusions, Plan
 
 log = logging.getLogger("nodus.placer")
@@ -57,8 +58,11 @@ class Committer:
     """One replica's writer of placements; the view is the replica's own (machines are
     reserved in it before the first await, so its concurrent commits never pick the same)."""
 
-    def __init__(self, bus: Bus, config: PlacerConfig, view: ClusterView, replica: str) -> None:
+    def __init__(
+        self, bus: Bus, config: PlacerConfig, view: ClusterView, replica: str, cache: JobCache
+    ) -> None:
         self.bus = bus
+        self.cache = cache  # what this replica writes of a job, known before its watch says
         self.config = config
         self.view = view
         self.replica = replica
@@ -168,11 +172,13 @@ class Committer:
                 ("ranktable", ranktable.epoch),
             ],
         )
-        if await self.jobs.update(gang, placed, current.revision) is None:
+        revision = await self.jobs.update(gang, placed, current.revision)
+        if revision is None:
             # Deleted or changed under us: undo this epoch entirely.
             CONFLICTS.labels("job").inc()
             await self.teardown(gang, epoch)
             raise LostRace
+        self.cache.saw(Versioned(gang, placed, revision))
         await self.ranktables.put(gang, ranktable)
         self.announce(placed, step)
 
@@ -353,5 +359,7 @@ class Committer:
         if step.event is None:
             return
         job = msgspec.structs.replace(current.value, status=step.status)
-        await self.jobs.update(current.key, job, current.revision)
+        revision = await self.jobs.update(current.key, job, current.revision)
+        if revision is not None:
+            self.cache.saw(Versioned(current.key, job, revision))
         self.announce(job, step)

@@ -12,7 +12,7 @@ import time
 import msgspec
 from prometheus_client import Counter, Gauge, Histogram
 
-from libs.bus import Bus, Endpoint
+from libs.bus import Bus, Endpoint, Versioned
 from libs.contracts import names
 from libs.contracts.api import ApplyReply, ApplyRequest, DeleteReply, DeleteRequest
 from libs.contracts.base import now
@@ -30,6 +30,7 @@ from libs.runtime.workqueue import WorkQueue
 from services.placer import admission
 from services.placer.cluster import ClusterView, follow_cordons
 from services.placer.commit import Committer, LostRace
+from services.placer.jobcache import JobCache
 from services.placer.members import STALE_LEASE_SECONDS, MemberWatch
 from services.placer.planner import Exclusions, Plan, Planner, Shortfall
 
@@ -61,7 +62,8 @@ class Placer:
         self.leases = bus.bucket(names.BUCKET_LEASES, Lease)
         self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
         self.qualifications = bus.bucket(names.BUCKET_QUALIFICATIONS, Qualification)
-        self.committer = Committer(bus, config, self.view, self.replica)
+        self.cache = JobCache()
+        self.committer = Committer(bus, config, self.view, self.replica, self.cache)
         self.members = MemberWatch(bus, self.view)
         # Several jobs placed at once: planning is synchronous and reserves its machines in
         # the view before the first await, so concurrent commits never pick the same ones.
@@ -119,8 +121,15 @@ class Placer:
             ADMISSIONS.labels("refused").inc()
             raise
         spec_only = Job(metadata=submitted.metadata, spec=submitted.spec)
-        existing = await self.jobs.get(spec_only.key)
-        if existing is not None:
+        step = lifecycle.admitted(now(), self.replica)
+        job = msgspec.structs.replace(spec_only, status=step.status)
+        revision = await self.jobs.create(job.key, job)  # a new job: one write, no read first
+        if revision is None:
+            existing = await self.jobs.get(spec_only.key)
+            if existing is None:
+                raise NodusError(
+                    ErrorCode.ALREADY_EXISTS, f"job {job.key} was created concurrently"
+                )
             if msgspec.json.encode(existing.value.spec) != msgspec.json.encode(spec_only.spec):
                 raise NodusError(
                     ErrorCode.IMMUTABLE,
@@ -129,10 +138,7 @@ class Placer:
                 )
             ADMISSIONS.labels("unchanged").inc()
             return ApplyReply(job=existing.value, created=False)
-        step = lifecycle.admitted(now(), self.replica)
-        job = msgspec.structs.replace(spec_only, status=step.status)
-        if await self.jobs.create(job.key, job) is None:
-            raise NodusError(ErrorCode.ALREADY_EXISTS, f"job {job.key} was created concurrently")
+        self.cache.saw(Versioned(job.key, job, revision))
         ADMISSIONS.labels("admitted").inc()
         self.committer.announce(job, step)
         self.queue.mark(job.key)
@@ -213,6 +219,10 @@ class Placer:
         """Another replica's Pending job is taken over once it has waited `takeover_seconds`."""
         async for change in self.jobs.watch():
             job = change.value
+            if job is None:
+                self.cache.forget(change.key)
+            else:
+                self.cache.saw(Versioned(change.key, job, change.revision))
             self.members.track(change.key, job)
             if job is not None and job.status.phase in FINISHED_PHASES and job.status.epoch:
                 self._finished(job)
@@ -279,8 +289,12 @@ class Placer:
 
     async def _place(self, key: str) -> None:
         exclusions = Exclusions()
-        for _attempt in range(self.config.max_attempts):
-            current = await self.jobs.get(key)
+        for attempt in range(self.config.max_attempts):
+            # The first attempt starts from what this replica knows (no read); a race lost
+            # (its compare-and-set refused) reads the job again.
+            current = self.cache.pending(key) if attempt == 0 else None
+            if current is None:
+                current = await self.jobs.get(key)
             if current is None or current.value.status.phase is not Phase.PENDING:
                 self._waiting.discard(key)
                 return
@@ -291,7 +305,12 @@ class Placer:
                 await self.committer.teardown(key, old_epoch)
             # Before planning: between a plan and its leases nothing may wait (the view
             # reserves the machines, so this replica's other placements skip them).
-            epoch = await self.committer.next_epoch(current.value)
+            # The next number, unless a race was lost: then past any fenced one (read).
+            epoch = (
+                current.value.status.epoch + 1
+                if attempt == 0
+                else await self.committer.next_epoch(current.value)
+            )
             mesh = MeshIdentity()
             plan, shortfalls = self._plan_avoiding(current.value, exclusions, mesh.mesh_id)
             if plan is None:
