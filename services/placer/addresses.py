@@ -3,11 +3,13 @@ per-epoch mesh addresses (G7)."""
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 
 MESH_NETWORK = ipaddress.IPv4Network("100.64.0.0/10")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a fleet's addresses, judged on every plan: parse once
 def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     """The address, with IPv4-mapped IPv6 (::ffff:a.b.c.d) judged as the IPv4 it carries."""
     try:
