@@ -29,6 +29,7 @@ class ClusterView:
         self.registered = Candidates()
         self.inventory_version = 0  # bumps when the set of machines changes
         self._timeout = timedelta(seconds=heartbeat_timeout)
+        self._newest_beat: datetime | None = None  # the newest heartbeat this view has heard
 
     def set_record(self, node: str, record: NodeRecord | None, now: datetime) -> None:
         if record is None:
@@ -45,6 +46,8 @@ class ClusterView:
             self.health.pop(node, None)
         else:
             self.health[node] = health
+            if self._newest_beat is None or health.heartbeat_time > self._newest_beat:
+                self._newest_beat = health.heartbeat_time
         self.refresh(node, now)
 
     def set_lease(self, node: str, lease: Lease | None, now: datetime) -> None:
@@ -57,8 +60,21 @@ class ClusterView:
     def alive(self, node: str, now: datetime) -> bool:
         health = self.health.get(node)
         return (
-            health is not None and health.healthy and now - health.heartbeat_time <= self._timeout
+            health is not None
+            and health.healthy
+            and self._clock(now) - health.heartbeat_time <= self._timeout
         )
+
+    def _clock(self, now: datetime) -> datetime:
+        """What heartbeats are judged against: now, unless this view stopped hearing any (its
+        watch is behind: a bus server lost, its consumer being made again), then the newest
+        heartbeat it heard plus a third of the timeout. A placer whose watch stalled must not
+        take every machine for dead (chaos saw six gangs lose every member at once). After
+        three timeouts of silence, now again: every agent may really be gone."""
+        newest = self._newest_beat
+        if newest is None or now - newest > 3 * self._timeout:
+            return now
+        return min(now, newest + self._timeout / 3)
 
     def refresh(self, node: str, now: datetime) -> bool:
         """Recompute whether `node` is free; True when that changed."""
