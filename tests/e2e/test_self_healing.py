@@ -101,7 +101,9 @@ def test_a_gpu_off_the_bus_puts_the_gang_back_to_work_on_healthy_machines(
     def running(epoch: int) -> dict[str, Any] | None:
         job = _job(url, state)
         status = job["status"]
-        return job if status["phase"] == "Running" and status["epoch"] == epoch else None
+        # The JSON leaves out defaults: a Pending job (epoch 0) has no phase (nor epoch).
+        phase, current = status.get("phase", "Pending"), status.get("epoch", 0)
+        return job if phase == "Running" and current == epoch else None
 
     first = until(lambda: running(1), timeout=90)
     members = [m["node"] for m in first["status"]["gang"]["members"]]
@@ -118,7 +120,7 @@ def test_a_gpu_off_the_bus_puts_the_gang_back_to_work_on_healthy_machines(
 
     def ended() -> dict[str, Any] | None:
         job = _job(url, state)
-        return job if job["status"]["phase"] in ("Succeeded", "Failed") else None
+        return job if job["status"].get("phase", "Pending") in ("Succeeded", "Failed") else None
 
     final = until(ended, timeout=120)
     logs = [nodus(url, state, "logs", "heal", "--org", "acme", "--rank", str(r)).stdout
