@@ -65,7 +65,7 @@ class GangRun:
         # Every rank record, as the watch delivered them (in order): a rank's exit concludes
         # from what the watch saw, not from a read that a lagging replica may answer with an
         # older record (chaos found jobs left Running with every rank exited that way).
-        self._ranks: dict[str, RankStatus] = {}
+        self._ranks: dict[str, dict[str, RankStatus]] = {}  # gang -> rank key -> record
         self._running: dict[str, int] = {}  # gang -> epoch, of the jobs Running
 
     async def start(self) -> None:
@@ -123,9 +123,10 @@ class GangRun:
         async for change in self.ranks.watch():
             status = change.value
             if status is None:
-                self._ranks.pop(change.key, None)
+                # org.name.epoch.rank.node: the gang is all but the last three fields.
+                self._ranks.get(change.key.rsplit(".", 3)[0], {}).pop(change.key, None)
                 continue
-            self._ranks[change.key] = status
+            self._ranks.setdefault(status.gang, {})[change.key] = status
             if status.state != "Running":
                 # One task per exit: a check that runs while another rank exits must not be
                 # the last one (the job's compare-and-set lets one of them conclude).
@@ -147,7 +148,7 @@ class GangRun:
                 else:
                     self._running.pop(change.key, None)
                     if change.value.status.phase in FINISHED_PHASES:
-                        self._forget_ranks(change.key)
+                        self._ranks.pop(change.key, None)  # not needed to conclude it again
             for phase in Phase:
                 JOBS.labels(phase.value).set(sum(1 for p in phases.values() if p is phase))
 
@@ -164,13 +165,8 @@ class GangRun:
 
     def _some_ended(self, gang: str, epoch: int) -> bool:
         prefix = f"{gang}.{epoch}."
-        return any(r.state != "Running" for k, r in self._ranks.items() if k.startswith(prefix))
-
-    def _forget_ranks(self, gang: str) -> None:
-        """A finished job's rank records are not needed to conclude it again."""
-        prefix = f"{gang}."
-        for key in [k for k in self._ranks if k.startswith(prefix)]:
-            del self._ranks[key]
+        ranks = self._ranks.get(gang, {})
+        return any(r.state != "Running" for k, r in ranks.items() if k.startswith(prefix))
 
     async def _watch_paths(self) -> None:
         async for change in self.paths.watch():
@@ -219,7 +215,8 @@ class GangRun:
         if stored is None:
             return
         keys = [names.rank_key(gang, epoch, m.rank, m.node) for m in stored.value.members]
-        statuses = [self._ranks[key] for key in keys if key in self._ranks]
+        ranks = self._ranks.get(gang, {})
+        statuses = [ranks[key] for key in keys if key in ranks]
         members = {m.rank: m.node for m in stored.value.members}
         # A rank the platform stopped (fencing, a machine going away) is not the workload
         # failing: the gang is re-placed by the member-loss path instead.
