@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -52,3 +52,19 @@ class TaskSet:
 
     async def close(self) -> None:
         await cancel_and_wait(list(self._tasks))
+
+
+ConnectionHandler = Callable[
+    [asyncio.StreamReader, asyncio.StreamWriter], Coroutine[Any, Any, None]
+]
+
+
+def handled_by(
+    tasks: TaskSet, handler: ConnectionHandler
+) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], asyncio.Task[None]]:
+    """The callback to give `asyncio.start_server`: each connection's handler runs in `tasks`.
+
+    Handed a coroutine function, Python 3.11's stream protocol owns the task and, when it is
+    cancelled (a server stopped, the loop shutting down), logs "Exception in callback ...
+    CancelledError" at error level; handed a task, it stays out of the way."""
+    return lambda reader, writer: tasks.spawn(handler(reader, writer))

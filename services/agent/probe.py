@@ -20,6 +20,8 @@ import struct
 import sys
 import time
 
+from libs.runtime.tasks import TaskSet, handled_by
+
 U64 = struct.Struct(">Q")
 CHUNK = 1 << 20
 
@@ -30,6 +32,7 @@ class ProbeServer:
     def __init__(self, address: str) -> None:
         self.address = address
         self.server: asyncio.Server | None = None
+        self._connections = TaskSet("probe connection")
 
     @property
     def port(self) -> int:
@@ -37,11 +40,14 @@ class ProbeServer:
         return int(self.server.sockets[0].getsockname()[1])
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(self._serve, self.address, 0)
+        self.server = await asyncio.start_server(
+            handled_by(self._connections, self._serve), self.address, 0
+        )
 
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
+        await self._connections.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

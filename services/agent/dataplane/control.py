@@ -20,6 +20,7 @@ import msgspec
 
 from libs.contracts.dataplane import ControlReply, ControlRequest
 from libs.contracts.errors import ErrorCode, NodusError
+from libs.runtime.tasks import TaskSet, handled_by
 
 log = logging.getLogger("nodus.agent.dataplane.control")
 
@@ -119,7 +120,9 @@ async def serve(path: Path, handler: Handler) -> asyncio.AbstractServer:
         finally:
             writer.close()
 
-    return await asyncio.start_unix_server(answer, sock=listener)
+    return await asyncio.start_unix_server(
+        handled_by(TaskSet("control request", log), answer), sock=listener
+    )
 
 
 def _refused(path: Path, error: BaseException) -> NodusError:
