@@ -97,6 +97,17 @@ def scrape(port: int) -> dict[str, float]:
     return wanted
 
 
+async def scrape_after(port: int, before: dict[str, float], decisions: int) -> dict[str, float]:
+    """The counters once `decisions` more were counted (or after 5 s): the remediator observes
+    a decision's time after its write is acknowledged, which may come after a watch saw it."""
+    deadline = time.perf_counter() + 5.0
+    while True:
+        after = scrape(port)
+        if internal(before, after)["decisions"] >= decisions or time.perf_counter() > deadline:
+            return after
+        await asyncio.sleep(0.05)
+
+
 def internal(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     count = after.get("nodus_remediator_decision_seconds_count", 0) - before.get(
         "nodus_remediator_decision_seconds_count", 0
@@ -310,7 +321,7 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
                 seen = await recs.wait_for(f"{node}.readonly-filesystem.root", opts.timeout)
                 latencies.append(seen - t0)
             result["decision_latency"] = quantiles(latencies)
-            serial = scrape(metrics_port)
+            serial = await scrape_after(metrics_port, before, opts.samples)
             result["decision_latency"]["remediator_internal"] = internal(before, serial)
             burst = nodes[opts.samples :]
             log(f"burst: {len(burst)} nodes report at once")
@@ -356,7 +367,7 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
             }
             for arrivals in (alerts, recs, rems):
                 await arrivals.stop()
-            after = scrape(metrics_port)
+            after = await scrape_after(metrics_port, serial, len(burst))
             result["burst"]["remediator_internal"] = internal(serial, after)
             result["remediator_counters"] = {
                 k.removeprefix("nodus_remediator_"): v
