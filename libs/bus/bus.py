@@ -21,6 +21,7 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 from nats.nuid import NUID
 
+from libs.bus.acks import Acks
 from libs.bus.connection import DRAIN_SECONDS, connect, jetstream, refusal_of
 from libs.bus.kv import Bucket, named_watches
 from libs.bus.retry import retrying
@@ -36,6 +37,7 @@ R = TypeVar("R", bound=msgspec.Struct)
 Req = TypeVar("Req", bound=msgspec.Struct)
 Rep = TypeVar("Rep", bound=msgspec.Struct)
 
+_MESSAGE_IDS = NUID()  # one generator: making a NUID draws a random prefix each time
 NO_RESPONDER_RETRIES = (0.02, 0.05, 0.1, None)
 ERROR_HEADER = "Nats-Service-Error"
 
@@ -59,6 +61,7 @@ class Bus:
         self.nc = nc
         self.js = js
         self._buckets: dict[str, Any] = {}
+        self.acks = Acks(nc)  # every JetStream write of this connection
         self._services: list[Service] = []
         self.replicas = replicas()  # copies of what it creates
 
@@ -166,7 +169,7 @@ class Bus:
     def bucket(self, name: str, kind: type[S]) -> Bucket[S]:
         if name not in self._buckets:
             raise NodusError(ErrorCode.INTERNAL, f"bucket {name} was not opened at start")
-        return Bucket(self._buckets[name], kind, name)
+        return Bucket(self._buckets[name], kind, name, self.acks)
 
     async def replay(self, stream: str, subject: str, timeout: float = 30.0) -> list[Msg]:
         """Every message `stream` holds on `subject`, oldest first. The stream says how many
@@ -268,10 +271,10 @@ class Bus:
     ) -> None:
         """Publish into a stream, once: a retry after a lost answer carries the same
         `Nats-Msg-Id` (`dedup_id`, or one made here), which the stream deduplicates."""
-        headers = {"Nats-Msg-Id": dedup_id or NUID().next().decode()}
+        headers = {"Nats-Msg-Id": dedup_id or _MESSAGE_IDS.next().decode()}
         data = encode(body)
         await retrying(
-            lambda: self.js.publish(subject, data, headers=headers), f"publish {subject}", self.nc
+            lambda: self.acks.publish(subject, data, headers), f"publish {subject}", self.nc
         )
 
     async def serve(

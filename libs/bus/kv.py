@@ -16,6 +16,7 @@ from nats.js.kv import KeyValue
 from nats.nuid import NUID
 from prometheus_client import Counter
 
+from libs.bus.acks import Acks
 from libs.bus.retry import Retried, retrying
 from libs.contracts.base import decode, encode
 from libs.contracts.errors import ErrorCode, NodusError
@@ -32,6 +33,7 @@ MALFORMED_RECORDS = Counter(
 
 KV_DEL = "DEL"
 KV_PURGE = "PURGE"
+EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 
 
 class _NamedConsumers:
@@ -46,7 +48,10 @@ class _NamedConsumers:
         self._js = js
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._js, name)
+        found = getattr(self._js, name)
+        if callable(found):  # a method: kept, so the next call skips this lookup
+            setattr(self, name, found)
+        return found
 
     async def subscribe(self, subject: str, **options: Any) -> Any:
         options["config"] = ConsumerConfig(name=_consumer_name())
@@ -98,9 +103,11 @@ class Change(Generic[T]):
 class Bucket(Generic[T]):
     """One KV bucket holding records of one type."""
 
-    def __init__(self, kv: KeyValue, kind: type[T], name: str) -> None:
+    def __init__(self, kv: KeyValue, kind: type[T], name: str, acks: Acks | None = None) -> None:
         self._kv = kv
         self._nc: Any = kv._js._nc  # its connection: a refused publish is not retried
+        self._acks = acks or Acks(self._nc)  # writes: see libs.bus.acks
+        self._subjects: str = kv._pre  # "$KV.<bucket>." (or a domain's prefix)
         self.kind = kind
         self.name = name
 
@@ -123,7 +130,11 @@ class Bucket(Generic[T]):
 
     async def put(self, key: str, value: T) -> int:
         data = encode(value)
-        return int(await retrying(lambda: self._kv.put(key, data), f"put {self.name}", self._nc))
+        subject = self._subjects + key
+        ack = await retrying(
+            lambda: self._acks.publish(subject, data), f"put {self.name}", self._nc
+        )
+        return ack.seq
 
     async def create(self, key: str, value: T) -> int | None:
         """Write only if the key holds nothing; None when somebody else holds it."""
@@ -142,8 +153,8 @@ class Bucket(Generic[T]):
 
         async def write() -> int:
             if revision is None:
-                return int(await self._kv.create(key, data))
-            return int(await self._kv.update(key, data, last=revision))
+                return await self._create(key, data)
+            return await self._write(key, data, revision)
 
         try:
             return await retrying(write, f"{what} {self.name}", self._nc, on_retry=retried)
@@ -152,6 +163,25 @@ class Bucket(Generic[T]):
                 return None
             entry = await self._entry(key)
             return int(entry.revision or 0) if entry is not None and entry.value == data else None
+
+    async def _write(self, key: str, data: bytes, expected: int) -> int:
+        """A write on the key's last revision being `expected` (0: the key never held one)."""
+        headers = {EXPECTED_LAST_SUBJECT_SEQUENCE: str(expected)}
+        return (await self._acks.publish(self._subjects + key, data, headers)).seq
+
+    async def _create(self, key: str, data: bytes) -> int:
+        """A write on an empty key: one never written, or deleted (its last revision is then
+        the delete marker's, which is read, as nats-py's create does)."""
+        try:
+            return await self._write(key, data, 0)
+        except KeyWrongLastSequenceError:
+            try:
+                await self._kv.get(key)
+            except KeyNotFoundError as error:
+                marker = getattr(error, "entry", None)
+                if marker is not None and marker.revision:
+                    return await self._write(key, data, marker.revision)
+            raise
 
     async def delete(self, key: str, revision: int | None = None) -> bool:
         """Delete (compare-and-set when `revision` is given); False if the key moved on. After
