@@ -149,7 +149,8 @@ class Placer:
         if self._feasible_version != self.view.inventory_version:
             self._feasible_cache.clear()
             self._feasible_version = self.view.inventory_version
-        shape = msgspec.json.encode((job.spec.accelerators, job.spec.distributed, job.metadata.org))
+        # What the planner reads of a new job (its org is checked statically, not planned on).
+        shape = msgspec.json.encode((job.spec.accelerators, job.spec.distributed, job.spec.qualify))
         if shape not in self._feasible_cache:
             try:
                 admission.check_feasible(job, self.planner, self.view.registered)
