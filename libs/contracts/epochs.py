@@ -30,6 +30,9 @@ class EpochMember(Record):
     # The machine's boot when placed: a member whose machine booted since (its agent
     # restarted) has lost its ranks and tunnels, and its epoch ends.
     boot_id: str = ""
+    # Relayed: the member homes on the relay in this place of the two it uses (0: the first
+    # by name; see GangMember.relay_slot); the other is its failover.
+    relay_slot: int = 0
 
 
 class Epoch(Record):

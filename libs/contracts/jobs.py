@@ -109,6 +109,9 @@ class GangMember(Record):
     rank: int
     node: str
     address: str
+    # Relayed: which of its two relays the member homes on (0: the first by name), chosen by
+    # the placer so that members spread evenly across the relays.
+    relay_slot: int | None = None
 
 
 class Probe(Record):

@@ -73,6 +73,7 @@ class Committer:
         self.joinkeys = bus.bucket(names.BUCKET_JOINKEYS, JoinKeyGrant)
         self.ranktables = bus.bucket(names.BUCKET_RANKTABLES, Ranktable)
         self.events = TaskSet("placer events", log)
+        self._relaying: dict[str, list[int]] = {}  # gang -> its members' relay slots, mid-commit
 
     async def close(self) -> None:
         await self.events.close()
@@ -101,11 +102,33 @@ class Committer:
         if problems:  # the planner's own invariants: never commit a plan that breaks them
             raise NodusError(ErrorCode.INTERNAL, f"plan for {job.key} breaks {problems}")
         t = now()
-        record = self._epoch_record(job, plan, records, epoch, mesh, t)
+        relayed = plan.path is PathClass.RELAYED
+        slots = self._relay_slots(job.key, len(plan.members)) if relayed else []
+        record = self._epoch_record(job, plan, records, epoch, mesh, t, slots)
         lease = Lease(gang=job.key, epoch=epoch, placer=self.replica, created_time=t)
-        await self._persist_epoch(current, plan, record, lease, exclusions)
-        await self._grant_join_keys(record, mesh)
-        await self._mark_placed(current, plan, record, lease)
+        try:
+            await self._persist_epoch(current, plan, record, lease, exclusions)
+            await self._grant_join_keys(record, mesh)
+            await self._mark_placed(current, plan, record, lease, slots)
+        finally:
+            self._relaying.pop(job.key, None)
+
+    def _relay_slots(self, gang: str, members: int) -> list[int]:
+        """Each member's relay slot, in rank order: the slot with the fewest Relayed members,
+        counting the gangs placed, those being committed now (their jobs do not say Placed
+        yet) and this gang's members before it; ties go to the first."""
+        counts = self.cache.relayed_members(leaving_out=gang)
+        for other, taken in self._relaying.items():
+            if other != gang:
+                for slot in taken:
+                    counts[slot] += 1
+        slots = []
+        for _ in range(members):
+            slot = counts.index(min(counts))
+            counts[slot] += 1
+            slots.append(slot)
+        self._relaying[gang] = slots
+        return slots
 
     async def next_epoch(self, job: Job) -> int:
         """The job's next epoch number: past any fenced one. A placement whose job record
@@ -152,12 +175,16 @@ class Committer:
         )
 
     async def _mark_placed(
-        self, current: Versioned[Job], plan: Plan, record: Epoch, lease: Lease
+        self, current: Versioned[Job], plan: Plan, record: Epoch, lease: Lease, slots: list[int]
     ) -> None:
         """The job says Placed, unless it changed meanwhile: then the epoch is undone."""
         gang, epoch = record.gang, record.epoch
         step = lifecycle.placed(
-            current.value.status, epoch, self._gang_status(plan), self.replica, record.created_time
+            current.value.status,
+            epoch,
+            self._gang_status(plan, slots),
+            self.replica,
+            record.created_time,
         )
         status = step.status
         placed = msgspec.structs.replace(current.value, status=status)
@@ -273,11 +300,19 @@ class Committer:
 
     # -- records ------------------------------------------------------------------------------
 
-    def _gang_status(self, plan: Plan) -> GangStatus:
+    def _gang_status(self, plan: Plan, slots: list[int]) -> GangStatus:
         factor = RELATIVE_TO_DIRECT[plan.path]
         return GangStatus(
             transport=plan.path,
-            members=[GangMember(rank=m.rank, node=m.node, address=m.address) for m in plan.members],
+            members=[
+                GangMember(
+                    rank=m.rank,
+                    node=m.node,
+                    address=m.address,
+                    relay_slot=slots[i] if slots else None,
+                )
+                for i, m in enumerate(plan.members)
+            ],
             estimate=Estimate(
                 relative_to_direct=factor,
                 warning=RELAYED_WARNING if plan.path is PathClass.RELAYED else None,
@@ -292,6 +327,7 @@ class Committer:
         epoch: int,
         mesh: MeshIdentity,
         t: datetime,
+        relay_slots: list[int],
     ) -> Epoch:
         envs = rank_environments(
             job,
@@ -318,8 +354,9 @@ class Committer:
                     devices=device_names(records[m.node]),
                     env=envs[m.rank],
                     boot_id=records[m.node].boot_id,
+                    relay_slot=relay_slots[i] if relay_slots else 0,
                 )
-                for m in plan.members
+                for i, m in enumerate(plan.members)
             ],
             bounds=bounds,
             created_time=t,

@@ -5,7 +5,10 @@ compare-and-set that ends a placement catches that, and the next attempt reads a
 from __future__ import annotations
 
 from libs.bus import Versioned
-from libs.contracts.jobs import Job, Phase
+from libs.contracts.jobs import Job, PathClass, Phase
+from libs.jobs.lifecycle import ACTIVE
+
+RELAY_SLOTS = 2  # a Relayed member uses two relays: one home, one for failover
 
 
 class JobCache:
@@ -26,3 +29,20 @@ class JobCache:
         placement's compare-and-set can tell a stale Pending)."""
         known = self._jobs.get(key)
         return known if known is not None and known.value.status.phase is Phase.PENDING else None
+
+    def relayed_members(self, leaving_out: str = "") -> list[int]:
+        """Members of active Relayed gangs homed on each relay slot (but `leaving_out`'s)."""
+        counts = [0] * RELAY_SLOTS
+        for key, known in self._jobs.items():
+            status = known.value.status
+            gang = status.gang
+            if (
+                key != leaving_out
+                and status.phase in ACTIVE
+                and gang is not None
+                and gang.transport is PathClass.RELAYED
+            ):
+                for member in gang.members:
+                    if member.relay_slot is not None:
+                        counts[member.relay_slot % RELAY_SLOTS] += 1
+        return counts

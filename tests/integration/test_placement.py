@@ -438,3 +438,36 @@ async def test_delete_fences_the_epoch_and_frees_machines_for_a_waiting_job(
     assert {m.node for m in second.status.gang.members} == {"aws-a", "aws-b"}
     leases = await bus.bucket(names.BUCKET_LEASES, Lease).snapshot()
     assert {lease.value.gang for lease in leases.values()} == {"acme.two"}
+
+
+async def test_relayed_members_applied_at_once_spread_evenly_across_the_two_relays(
+    bus: Bus, start_placer: StartPlacer
+) -> None:
+    l4 = {"count": 1, "backend": "cuda", "model": "L4"}
+    fleet = [
+        machine(
+            f"vast-{i}",
+            provider="vast",
+            offering="container",
+            address=f"10.9.1.{i + 1}",
+            accelerators=l4,
+        )
+        for i in range(16)
+    ]
+    await register(bus, [node_record(m) for m in fleet])
+    await start_placer()
+    client = Client(bus)
+    spec = {"accelerators": {"model": "L4"}, "distributed": {"members": 2, "transport": "Auto"}}
+    names_ = [f"rl-{i}" for i in range(8)]
+    await asyncio.gather(*(client.apply(job(name, org="acme", **spec)) for name in names_))
+    gangs = [await placed(bus, f"acme.{name}") for name in names_]
+    slots = [m.relay_slot for g in gangs if g.status.gang for m in g.status.gang.members]
+    assert slots.count(0) == slots.count(1) == 8, slots
+    epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
+    for gang in gangs:
+        assert gang.status.gang is not None
+        record = await epochs.get(names.epoch_key(gang.key, gang.status.epoch))
+        assert record is not None
+        assert [m.relay_slot for m in record.value.members] == [
+            m.relay_slot for m in gang.status.gang.members
+        ]

@@ -16,6 +16,10 @@ from libs.runtime.tasks import TaskSet
 
 log = logging.getLogger("nodus.agent.tunnel")
 
+# A member that reaches its other relay first waits this long for its home one (the placer
+# spreads gangs across relays by which one they home on) before taking the other.
+HOME_GRACE_SECONDS = 1.0
+
 FAILOVERS = Counter("nodus_agent_relay_failovers_total", "Moves to the other relay", ["node"])
 
 
@@ -26,10 +30,12 @@ class RelayHome:
         relays: list[RelayClient],
         moved: Callable[[], None],
     ) -> None:
-        """`moved` runs once a relay became home: every link resends what is not acknowledged."""
+        """`moved` runs once a relay became home: every link resends what is not acknowledged.
+        The first of `relays` is the one to home on when it is up; the others are failovers."""
         self.node = node
         self.relays = relays
         self.home: RelayClient | None = None
+        self._grace: asyncio.TimerHandle | None = None
         self._moved = moved
         self._reachability = asyncio.Event()  # pulsed when a relay or a peer comes or goes
 
@@ -38,6 +44,8 @@ class RelayHome:
             tasks.spawn(relay.keep(self._up, self._down, log), name=f"relay {relay.name}")
 
     def close(self) -> None:
+        if self._grace is not None:
+            self._grace.cancel()
         for relay in self.relays:
             relay.close()
 
@@ -78,8 +86,19 @@ class RelayHome:
         self._reachability = asyncio.Event()
 
     def _up(self, relay: RelayClient) -> None:
-        if self.home is None:
+        if self.home is not None:
+            return
+        if relay is self.relays[0]:
             self._make_home(relay, failover=False)
+        elif self._grace is None:
+            self._grace = asyncio.get_running_loop().call_later(HOME_GRACE_SECONDS, self._settle)
+
+    def _settle(self) -> None:
+        """The home relay did not come up in its grace: the first other one up is home."""
+        if self.home is None:
+            relay = next((r for r in self.relays if r.up), None)
+            if relay is not None:
+                self._make_home(relay, failover=False)
 
     def _down(self, relay: RelayClient) -> None:
         if self.home is relay:

@@ -71,6 +71,8 @@ class RelayedMember:
 
     async def start(self) -> None:
         relays = await pick_relays(self.bus)
+        slot = self.member.relay_slot % len(relays)
+        relays = relays[slot:] + relays[:slot]  # home first (the placer's choice), then failover
         device = WgDevice(self.wg_private)
         bounds = self.epoch.bounds
         window = stream_window(bounds)  # the derived per-member buffer (C3), clamped

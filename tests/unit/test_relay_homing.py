@@ -1,0 +1,56 @@
+"""A Relayed member homes on the relay the placer chose for its gang (the first it is given),
+even when the other answers first; if that one does not come up in its grace, the other."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+from libs.relayproto.client import RelayClient
+from services.agent.relayed import homing
+from services.agent.relayed.homing import RelayHome
+
+
+class FakeRelay:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.up = False
+        self.homed: list[bool] = []
+
+    def home(self, failover: bool) -> None:
+        self.homed.append(failover)
+
+    def close(self) -> None:
+        self.up = False
+
+
+def relay_home(*relays: FakeRelay) -> RelayHome:
+    return RelayHome("n1", cast(list[RelayClient], list(relays)), lambda: None)
+
+
+def come_up(home: RelayHome, relay: FakeRelay) -> None:
+    relay.up = True
+    home._up(cast(Any, relay))
+
+
+async def test_the_chosen_relay_is_home_though_the_other_answered_first() -> None:
+    chosen, other = FakeRelay("relay-b"), FakeRelay("relay-a")
+    home = relay_home(chosen, other)
+    come_up(home, other)
+    assert home.home is None, "the other relay waits out the chosen one's grace"
+    come_up(home, chosen)
+    assert home.home is cast(Any, chosen) and chosen.homed == [False]
+    await asyncio.sleep(0)
+    home.close()
+
+
+async def test_a_chosen_relay_that_stays_down_leaves_the_other_home_after_its_grace(
+    monkeypatch: Any,
+) -> None:
+    monkeypatch.setattr(homing, "HOME_GRACE_SECONDS", 0.05)
+    chosen, other = FakeRelay("relay-b"), FakeRelay("relay-a")
+    home = relay_home(chosen, other)
+    come_up(home, other)
+    await asyncio.sleep(0.1)
+    assert home.home is cast(Any, other) and other.homed == [False]
+    home.close()
