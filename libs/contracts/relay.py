@@ -75,7 +75,9 @@ class RelayRecord(Record):
 
 
 class UsageRecord(Record):
-    """Bytes one member sent through one relay in one interval; published with the id
+    """Bytes one member's programs sent through one relay in one interval (the plaintext of
+    its WireGuard transport messages: WireGuard's own header, tag, keepalives and handshakes
+    are not billed); published with the id
     `relay:boot:gang:epoch:node:seq` so a retried flush lands once (G17)."""
 
     relay: str

@@ -28,6 +28,7 @@ __all__ = [
     "CookieReply",
     "Initiation",
     "Response",
+    "carried_bytes",
     "classify",
     "message_type",
     "pack_cookie_reply",
@@ -54,6 +55,15 @@ _EXACT_SIZES = {
     TYPE_RESPONSE: RESPONSE_SIZE,
     TYPE_COOKIE_REPLY: COOKIE_REPLY_SIZE,
 }
+
+
+def carried_bytes(data: bytes | bytearray | memoryview) -> int:
+    """What a message carries for the programs at its ends: a transport message's plaintext
+    (its length less WireGuard's 16-byte header and 16-byte tag), nothing for a keepalive or
+    a handshake. The relays bill this (G17), not WireGuard's own bytes."""
+    if len(data) <= KEEPALIVE_SIZE or _TYPE.unpack_from(data)[0] != TYPE_TRANSPORT:
+        return 0
+    return len(data) - KEEPALIVE_SIZE
 
 
 def classify(data: bytes | bytearray | memoryview) -> int | DropReason:

@@ -41,6 +41,7 @@ from libs.relayproto import (
 from libs.relayproto.connection import DEAD_AFTER, Connection, Offered
 from libs.runtime.tasks import TaskSet
 from libs.runtime.version import VERSION
+from libs.wg.messages import carried_bytes
 from services.relay.billing import UsageMeter
 from services.relay.buckets import TokenBucket
 from services.relay.membership import Identity, Membership
@@ -279,7 +280,9 @@ class Relay:
                 conn.close()
                 return
             sent.inc(size)
-            self.meter.add(identity.gang, identity.epoch, identity.node, size)
+            # Billed: what the member's programs sent, not WireGuard's own bytes.
+            carried = sum(carried_bytes(frame.message) for frame in sends)
+            self.meter.add(identity.gang, identity.epoch, identity.node, carried)
             forwards = []
             for frame in sends:
                 mesh = self._route(session.key, frame.dst, frame.message)

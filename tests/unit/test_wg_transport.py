@@ -27,6 +27,7 @@ from libs.wg.constants import (
 )
 from libs.wg.framing import SIZED
 from libs.wg.loopback import Loopback
+from libs.wg.messages import carried_bytes
 from libs.wg.replay import ReplayWindow
 
 
@@ -214,3 +215,10 @@ def test_every_outgoing_message_is_well_formed() -> None:
                         seen.append(message_type(reply.data))
     # Initiation, response, the queued payload (a keepalive only when nothing is queued).
     assert seen == [1, 2, 4]
+
+
+def test_what_a_message_carries_is_its_plaintext_and_nothing_for_wireguards_own() -> None:
+    transport = b"\x04\x00\x00\x00" + bytes(12) + bytes(1024) + bytes(16)
+    assert carried_bytes(transport) == 1024
+    assert carried_bytes(transport[:32]) == 0, "a keepalive"
+    assert carried_bytes(b"\x01\x00\x00\x00" + bytes(144)) == 0, "a handshake initiation"
