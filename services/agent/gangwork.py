@@ -32,7 +32,7 @@ from libs.contracts.lifecycle import (
     ShimCheckRequest,
     StopRequest,
 )
-from services.agent.probe import ProbeServer
+from services.agent.probeserver import ProbeServer
 from services.agent.ranks import RankRunner
 
 log = logging.getLogger("nodus.agent.gang")

@@ -1,7 +1,9 @@
 """The member side of the probe (G10), run by the agent: a server each member runs on its
-advertised address, and a client run as a separate process with the rank's own environment
-(`python -m services.agent.probe`), so that its connections take the path the workload will
-take (through the shim on the Relayed path). The runner only asks for it over the bus.
+advertised address (`probeserver.py`), and this client, run as a separate process with the
+rank's own environment (`python -m services.agent.probe`), so that its connections take the
+path the workload will take (through the shim on the Relayed path). The runner only asks for
+it over the bus. The client imports the standard library only: it starts for every pair of
+every round, and the package of daemon helpers took 140 ms to import.
 
 Protocol on a probe connection, chosen by its first byte:
     R  readiness: the server answers one byte, then closes.
@@ -12,7 +14,6 @@ Protocol on a probe connection, chosen by its first byte:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import socket
 import statistics
@@ -20,58 +21,8 @@ import struct
 import sys
 import time
 
-from libs.runtime.tasks import TaskSet, handled_by
-
 U64 = struct.Struct(">Q")
 CHUNK = 1 << 20
-
-
-class ProbeServer:
-    """Runs inside the agent on the member's own advertised address, on an ephemeral port."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.server: asyncio.Server | None = None
-        self._connections = TaskSet("probe connection")
-
-    @property
-    def port(self) -> int:
-        assert self.server is not None
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(
-            handled_by(self._connections, self._serve), self.address, 0
-        )
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        await self._connections.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            kind = await reader.readexactly(1)
-            if kind == b"R":
-                writer.write(b"r")
-            elif kind == b"P":
-                while True:
-                    try:
-                        message = await reader.readexactly(8)
-                    except asyncio.IncompleteReadError:
-                        break
-                    writer.write(message)
-                    await writer.drain()
-            elif kind == b"T":
-                total = 0
-                while data := await reader.read(CHUNK):
-                    total += len(data)
-                writer.write(U64.pack(total))
-            await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
 
 
 def _connect(address: str, port: int, deadline: float) -> socket.socket:

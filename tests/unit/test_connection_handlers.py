@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from services.agent.probe import ProbeServer
+from services.agent.probeserver import ProbeServer
 
 
 async def test_a_probe_server_stopped_under_an_open_connection_logs_no_error() -> None:
