@@ -20,7 +20,9 @@ from nats.aio.msg import Msg
 
 from libs.contracts.jetstream import PubAck
 
-WRONG_LAST_SEQUENCE = 10071  # a compare-and-set missed (Nats-Expected-Last-Subject-Sequence)
+# A compare-and-set missed (Nats-Expected-Last-Subject-Sequence): 10071 names the sequence,
+# 10164 does not (a clustered stream answers with it).
+WRONG_LAST_SEQUENCE = frozenset({10071, 10164})
 NO_RESPONDERS = "503"  # no stream listens on the subject
 
 
@@ -59,7 +61,7 @@ class Acks:
             raise nats.js.errors.NoStreamResponseError
         ack = _DECODE_ACK.decode(msg.data)
         if ack.error is not None:
-            if ack.error.err_code == WRONG_LAST_SEQUENCE:
+            if ack.error.err_code in WRONG_LAST_SEQUENCE:
                 raise nats.js.errors.KeyWrongLastSequenceError(ack.error.description)
             nats.js.errors.APIError.from_error(msgspec.structs.asdict(ack.error))  # raises
         return ack
