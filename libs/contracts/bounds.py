@@ -24,6 +24,9 @@ STREAM_WINDOW_BYTES = 4 << 20
 STREAM_WINDOW_MIN_BYTES = 256 << 10
 STREAM_WINDOW_MAX_BYTES = 8 << 20
 FALLBACK_QUEUE_BYTES = 4 << 20
+# What one tunnel link keeps sent and unacknowledged to one peer, over all its streams (what
+# relays may hold for the pair, and what it resends after a failover).
+LINK_MAX_INFLIGHT_BYTES = 16 << 20
 # What the scheduler assumes when comparing placements (G19), until measured numbers exist.
 RELATIVE_TO_DIRECT = {PathClass.PRIVATE: 1.0, PathClass.DIRECT: 1.0, PathClass.RELAYED: 0.25}
 

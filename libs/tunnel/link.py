@@ -18,7 +18,7 @@ import struct
 from collections import deque
 from dataclasses import dataclass
 
-from libs.contracts.bounds import STREAM_WINDOW_BYTES
+from libs.contracts.bounds import LINK_MAX_INFLIGHT_BYTES, STREAM_WINDOW_BYTES
 from libs.socks5.codec import ReplyCode
 
 HEADER = struct.Struct(">BIII")
@@ -94,7 +94,7 @@ class Link:
         max_payload: int = 60 * 1024,
         chunk: int = 60 * 1024 - HEADER.size,  # one DATA message fills a WireGuard payload
         rto: float = 2.0,
-        max_inflight: int = 16 << 20,
+        max_inflight: int = LINK_MAX_INFLIGHT_BYTES,
     ) -> None:
         if side not in (0, 1):
             raise ValueError("side is 0 or 1")

@@ -54,3 +54,19 @@ async def test_a_chosen_relay_that_stays_down_leaves_the_other_home_after_its_gr
     await asyncio.sleep(0.1)
     assert home.home is cast(Any, other) and other.homed == [False]
     home.close()
+
+
+async def test_after_losing_every_relay_the_first_back_is_home_again(monkeypatch: Any) -> None:
+    monkeypatch.setattr(homing, "HOME_GRACE_SECONDS", 0.05)
+    chosen, other = FakeRelay("relay-b"), FakeRelay("relay-a")
+    home = relay_home(chosen, other)
+    come_up(home, other)
+    await asyncio.sleep(0.1)
+    assert home.home is cast(Any, other)
+    other.up = False
+    home._down(cast(Any, other))  # lost, and the chosen one is down too
+    assert home.home is None
+    come_up(home, other)  # back: home again once the chosen one's grace has passed
+    await asyncio.sleep(0.1)
+    assert home.home is cast(Any, other)
+    home.close()

@@ -95,6 +95,7 @@ class RelayHome:
 
     def _settle(self) -> None:
         """The home relay did not come up in its grace: the first other one up is home."""
+        self._grace = None
         if self.home is None:
             relay = next((r for r in self.relays if r.up), None)
             if relay is not None:
@@ -105,6 +106,9 @@ class RelayHome:
             self._failover(relay)
 
     def _make_home(self, relay: RelayClient, failover: bool) -> None:
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
         self.home = relay
         relay.home(failover)
         self._moved()
