@@ -105,6 +105,11 @@ class LocalSystem:
             return self.lab.machine_argv(name.removeprefix("agent-"), [])
         return in_namespace(self.lab.topology.control, [])
 
+    def metrics_url(self, name: str) -> str | None:
+        """Where the child `name` serves /metrics, if it does."""
+        port = self.metrics_ports.get(name)
+        return f"http://{self._metrics_host(name)}:{port}/metrics" if port else None
+
     def _metrics_host(self, name: str) -> str:
         """Where a daemon serves /metrics: loopback, or in the lab its namespace's address
         (the control namespace's for the services; an agent's machine address)."""

@@ -39,7 +39,7 @@ class FaultRecord:
     down_seconds: float
     bus_whole_seconds: float | None = None  # a KV write acknowledged after the restore
     next_placement_seconds: float | None = None  # a job placed after the restore
-    next_relay_bytes_seconds: float | None = None  # bytes metered by a relay after it
+    next_relay_bytes_seconds: float | None = None  # bytes through a relay after it
     next_alert_seconds: float | None = None  # after a remediator restart: a new fault alerted
     # lose-member: the job and epoch whose member was paused, and whether a later epoch came
     gang: str | None = None

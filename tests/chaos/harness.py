@@ -35,6 +35,7 @@ import signal
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -112,7 +113,9 @@ class Chaos(ChaosChecks):
         self.client: Client | None = None
         self.applied: list[str] = []
         self.placements: list[float] = []  # when a client saw a job placed (monotonic)
-        self.metered: list[float] = []  # when a client saw a relay's usage record
+        # When a relay's byte counter was seen to grow (its metrics, every 0.5 s): a relay
+        # carries traffic. Usage records say only billed bytes, and an idle tunnel has none.
+        self.relayed: list[float] = []
         self.restored: list[tuple[FaultRecord, float]] = []  # each fault, when it ended
         self._alert_probes = 0
         self._enough_jobs = asyncio.Event()  # MIN_JOBS applies tried, refused ones included
@@ -309,7 +312,7 @@ class Chaos(ChaosChecks):
             if "relay" in record.kind.split("+"):
                 # Relayed bytes flow only while a Relayed job runs: one is applied every 12 s.
                 record.next_relay_bytes_seconds = await self._first_after(
-                    self.metered, restored, restored + bytes_within - time.monotonic()
+                    self.relayed, restored, restored + bytes_within - time.monotonic()
                 )
 
     def _children(self) -> list[str]:
@@ -385,11 +388,6 @@ class Chaos(ChaosChecks):
 
         await bus.nc.subscribe("nodus.evt.>", cb=on_event)
 
-        async def on_usage(_: Any) -> None:
-            self.metered.append(time.monotonic())
-
-        await bus.nc.subscribe("nodus.usage.>", cb=on_usage)
-
         client = self.client
 
         async def epochs() -> None:
@@ -404,7 +402,29 @@ class Chaos(ChaosChecks):
                     self._placed[change.key] = placed
                     self.placements.append(time.monotonic())
 
-        return [asyncio.create_task(epochs()), asyncio.create_task(jobs())]
+        return [
+            asyncio.create_task(epochs()),
+            asyncio.create_task(jobs()),
+            asyncio.create_task(self._watch_relay_bytes()),
+        ]
+
+    async def _watch_relay_bytes(self) -> None:
+        """Note each time a relay's `nodus_relay_bytes_total` grew (a restarted relay starts
+        again from zero: its first count is its baseline)."""
+        assert self.system is not None
+        last: dict[str, float] = {}
+        while True:
+            for name in list(self.system.metrics_ports):
+                url = self.system.metrics_url(name) if name.startswith("relay-") else None
+                if url is None:
+                    continue
+                total = await asyncio.to_thread(_relay_bytes, url)
+                if total is None:
+                    continue
+                if name in last and total > last[name]:
+                    self.relayed.append(time.monotonic())
+                last[name] = total
+            await asyncio.sleep(0.5)
 
     async def _settle(self, timeout: float = 0.0) -> None:
         """Every job applied ends (or the timeout passes); the repair finishes."""
@@ -465,3 +485,17 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _relay_bytes(url: str) -> float | None:
+    """The sum of a relay's `nodus_relay_bytes_total`, or None when it does not answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as answer:
+            text = answer.read().decode()
+    except OSError:
+        return None
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("nodus_relay_bytes_total{")
+    )
