@@ -19,7 +19,7 @@ from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.epochs import Epoch
-from libs.contracts.errors import NodusError
+from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.jobs import (
     FINISHED_PHASES,
     Job,
@@ -45,6 +45,8 @@ PLATFORM_GRACE_SECONDS = 5.0
 log = logging.getLogger("nodus.runner")
 
 CONCLUDE_SWEEP_SECONDS = 5.0
+# A launch that nobody answers for is asked again this long: an agent restarts in seconds.
+LAUNCH_NO_RESPONDER_SECONDS = 15.0
 USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (0.1 s) plus delivery
 
 
@@ -86,11 +88,8 @@ class GangRun:
         command = job.value.spec.command if job is not None else []
         launches = await asyncio.gather(
             *(
-                self.bus.request(
-                    names.node_request(m.node, names.AgentVerb.LAUNCH),
-                    LaunchRequest(gang=gang, epoch=epoch, rank=m.rank, command=command),
-                    LaunchReply,
-                    30,
+                self._launch(
+                    m.node, LaunchRequest(gang=gang, epoch=epoch, rank=m.rank, command=command)
                 )
                 for m in stored.value.members
             ),
@@ -202,6 +201,21 @@ class GangRun:
         if found and await advance(self.bus, gang, epoch, lifecycle.DEGRADED, degraded):
             DEGRADED.labels(gang).set(1 if slow else 0)  # running gangs only (forget_gang)
             log.info("%s epoch %d: NetworkDegraded=%s: %s", gang, epoch, state, message)
+
+    async def _launch(self, node: str, request: LaunchRequest) -> LaunchReply:
+        """Launch one rank; an agent that nobody answers for is asked again for a while: one
+        restarting (an upgrade, a crash) answers within seconds, and nothing reached it."""
+        deadline = asyncio.get_running_loop().time() + LAUNCH_NO_RESPONDER_SECONDS
+        subject = names.node_request(node, names.AgentVerb.LAUNCH)
+        while True:
+            try:
+                return await self.bus.request(subject, request, LaunchReply, 30)
+            except NodusError as error:
+                if error.code is not ErrorCode.NO_RESPONDERS:
+                    raise
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
     async def _conclude(self, gang: str, epoch: int) -> None:
         job = await self.jobs.get(gang)
