@@ -100,6 +100,21 @@ class GangRun:
             for m, r in zip(stored.value.members, launches, strict=True)
             if isinstance(r, BaseException)
         ]
+        unreachable = [
+            node
+            for node, error in failed
+            if isinstance(error, NodusError) and error.code is ErrorCode.NO_RESPONDERS
+        ]
+        if unreachable:
+            # The platform's loss, not the workload's: the gang is placed again without it.
+            message = (
+                f"{unreachable[0]}: no agent answered the launch for "
+                f"{LAUNCH_NO_RESPONDER_SECONDS:g} s; placing the gang again without it"
+            )
+            await restart_gang(
+                self.bus, unreachable[0], gang, epoch, lifecycle.MEMBER_LOST, message
+            )
+            return
         started = now()
 
         running = lifecycle.RUNNING
@@ -204,7 +219,8 @@ class GangRun:
 
     async def _launch(self, node: str, request: LaunchRequest) -> LaunchReply:
         """Launch one rank; an agent that nobody answers for is asked again for a while: one
-        restarting (an upgrade, a crash) answers within seconds, and nothing reached it."""
+        restarting (an upgrade, a crash) answers within seconds, and nothing reached it. One
+        that never answers is a lost member (see `launch`), not a failed workload."""
         deadline = asyncio.get_running_loop().time() + LAUNCH_NO_RESPONDER_SECONDS
         subject = names.node_request(node, names.AgentVerb.LAUNCH)
         while True:

@@ -1,0 +1,70 @@
+"""A launch that no agent answers: an agent restarting at that moment is asked again and the
+job runs; one that never answers is a lost member, and the gang is placed again without it,
+not failed (chaos random seed 175595 failed a job for an agent restarted under its launch)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from libs.bus import Bus
+from libs.contracts import names
+from libs.contracts.base import encode
+from libs.contracts.jobs import ConditionType, Job, Phase
+from libs.contracts.lifecycle import LaunchReply
+from services.runner import run as run_module
+from services.runner.run import GangRun
+from tests.conftest import eventually
+from tests.integration.test_run_conclusion import NODES, _probing_job
+
+
+async def answer_launches(bus: Bus, node: str) -> Any:
+    async def reply(msg: Any) -> None:
+        await msg.respond(encode(LaunchReply(started=True)))
+
+    return await bus.nc.subscribe(names.node_request(node, names.AgentVerb.LAUNCH), cb=reply)
+
+
+async def test_an_agent_back_within_the_launchs_patience_gets_its_rank(bus: Bus) -> None:
+    record = await _probing_job(bus)
+    await answer_launches(bus, NODES[0])
+    run = GangRun(bus)
+    await run.start()
+    try:
+        launching = asyncio.create_task(run.launch(record.key, 1))
+        await asyncio.sleep(1.5)  # h-1's agent restarts meanwhile
+        assert not launching.done()
+        await answer_launches(bus, NODES[1])
+        await asyncio.wait_for(launching, 10)
+        stored = await bus.bucket(names.BUCKET_JOBS, Job).get(record.key)
+        assert stored is not None and stored.value.status.phase is Phase.RUNNING
+    finally:
+        await run.stop()
+
+
+async def test_an_agent_that_never_answers_is_a_lost_member_not_a_failed_job(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(run_module, "LAUNCH_NO_RESPONDER_SECONDS", 1.0)
+    record = await _probing_job(bus)
+    await answer_launches(bus, NODES[0])
+    run = GangRun(bus)
+    await run.start()
+    try:
+        await asyncio.wait_for(run.launch(record.key, 1), 10)
+        jobs = bus.bucket(names.BUCKET_JOBS, Job)
+
+        async def placed_again_without_it() -> bool:
+            found = await jobs.get(record.key)
+            return found is not None and found.value.status.phase is Phase.PENDING
+
+        await eventually(placed_again_without_it)
+        stored = await jobs.get(record.key)
+        assert stored is not None
+        assert NODES[1] in stored.value.status.avoid
+        ready = stored.value.condition(ConditionType.GANG_READY)
+        assert ready is not None and ready.reason == "MemberLost", ready
+    finally:
+        await run.stop()
