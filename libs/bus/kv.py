@@ -103,10 +103,10 @@ class Change(Generic[T]):
 class Bucket(Generic[T]):
     """One KV bucket holding records of one type."""
 
-    def __init__(self, kv: KeyValue, kind: type[T], name: str, acks: Acks | None = None) -> None:
+    def __init__(self, kv: KeyValue, kind: type[T], name: str, acks: Acks) -> None:
         self._kv = kv
         self._nc: Any = kv._js._nc  # its connection: a refused publish is not retried
-        self._acks = acks or Acks(self._nc)  # writes: see libs.bus.acks
+        self._acks = acks  # its connection's writes: see libs.bus.acks
         self._subjects: str = kv._pre  # "$KV.<bucket>." (or a domain's prefix)
         self.kind = kind
         self.name = name

@@ -6,6 +6,10 @@ from datetime import datetime
 
 from libs.contracts.base import Name, Record
 
+# A Relayed member uses two relays of its region (G15): one home, chosen by the placer
+# (`EpochMember.relay_slot`), and the other for failover.
+RELAYS_PER_MEMBER = 2
+
 
 class Member(Record):
     """Written once per (gang, epoch, node) when the node redeems its join key: binds the

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from libs.bus import Versioned
 from libs.contracts.jobs import Job, PathClass, Phase
+from libs.contracts.relay import RELAYS_PER_MEMBER
 from libs.jobs.lifecycle import ACTIVE
-
-RELAY_SLOTS = 2  # a Relayed member uses two relays: one home, one for failover
 
 
 class JobCache:
@@ -32,7 +31,7 @@ class JobCache:
 
     def relayed_members(self, leaving_out: str = "") -> list[int]:
         """Members of active Relayed gangs homed on each relay slot (but `leaving_out`'s)."""
-        counts = [0] * RELAY_SLOTS
+        counts = [0] * RELAYS_PER_MEMBER
         for key, known in self._jobs.items():
             status = known.value.status
             gang = status.gang
@@ -44,5 +43,5 @@ class JobCache:
             ):
                 for member in gang.members:
                     if member.relay_slot is not None:
-                        counts[member.relay_slot % RELAY_SLOTS] += 1
+                        counts[member.relay_slot % RELAYS_PER_MEMBER] += 1
         return counts

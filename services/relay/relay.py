@@ -280,14 +280,14 @@ class Relay:
                 conn.close()
                 return
             sent.inc(size)
-            # Billed: what the member's programs sent, not WireGuard's own bytes.
-            carried = sum(carried_bytes(frame.message) for frame in sends)
-            self.meter.add(identity.gang, identity.epoch, identity.node, carried)
+            carried = 0  # billed: what the member's programs sent, not WireGuard's own bytes
             forwards = []
             for frame in sends:
+                carried += carried_bytes(frame.message)
                 mesh = self._route(session.key, frame.dst, frame.message)
                 if mesh is not None:
                     forwards.append((mesh, Forward(session.key, frame.dst, frame.message)))
+            self.meter.add(identity.gang, identity.epoch, identity.node, carried)
             self._write_out()
             for mesh, forward in forwards:
                 # Onto the shared mesh link: the sender waits while it is full (its own

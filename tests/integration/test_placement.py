@@ -20,6 +20,7 @@ from tests.conftest import StartPlacer, eventually
 from tests.factories import job, machine, node_record, register
 
 SHIM = "/opt/nodus/lib/libnodus-netshim.so"
+L4 = {"count": 1, "backend": "cuda", "model": "L4"}
 FLEET = [
     # One VPC in aws us-east-1: Private.
     machine(
@@ -58,14 +59,14 @@ FLEET = [
         provider="vast",
         offering="container",
         address="10.0.3.1",
-        accelerators={"count": 1, "backend": "cuda", "model": "L4"},
+        accelerators=L4,
     ),
     machine(
         "lam-l4",
         provider="lambda",
         region="us-west-1",
         address="10.0.1.9",
-        accelerators={"count": 1, "backend": "cuda", "model": "L4"},
+        accelerators=L4,
     ),
 ]
 
@@ -302,18 +303,17 @@ async def test_two_running_relayed_gangs_never_route_one_address(
     bus: Bus, start_placer: StartPlacer
 ) -> None:
     # Four machines but three addresses: two containers in different providers share 10.9.0.5.
-    l4 = {"count": 1, "backend": "cuda", "model": "L4"}
     fleet = [
         machine(
-            "vast-x", provider="vast", offering="container", address="10.9.0.5", accelerators=l4
+            "vast-x", provider="vast", offering="container", address="10.9.0.5", accelerators=L4
         ),
         machine(
-            "runpod-x", provider="runpod", offering="container", address="10.9.0.5", accelerators=l4
+            "runpod-x", provider="runpod", offering="container", address="10.9.0.5", accelerators=L4
         ),
         machine(
-            "runpod-y", provider="runpod", offering="container", address="10.9.0.7", accelerators=l4
+            "runpod-y", provider="runpod", offering="container", address="10.9.0.7", accelerators=L4
         ),
-        machine("vm-1", address="10.0.0.1", accelerators=l4),
+        machine("vm-1", address="10.0.0.1", accelerators=L4),
     ]
     await register(bus, [node_record(m) for m in fleet])
     await start_placer()
@@ -352,14 +352,14 @@ async def test_ip_collision_condition_is_shown_while_re_placing(
             provider="vast",
             offering="container",
             address="10.9.0.5",
-            accelerators={"count": 1, "backend": "cuda", "model": "L4"},
+            accelerators=L4,
         ),
         machine(
             "c-2",
             provider="runpod",
             offering="container",
             address="10.9.0.6",
-            accelerators={"count": 1, "backend": "cuda", "model": "L4"},
+            accelerators=L4,
         ),
     ]
     await register(bus, [node_record(m) for m in fleet])
@@ -443,14 +443,13 @@ async def test_delete_fences_the_epoch_and_frees_machines_for_a_waiting_job(
 async def test_relayed_members_applied_at_once_spread_evenly_across_the_two_relays(
     bus: Bus, start_placer: StartPlacer
 ) -> None:
-    l4 = {"count": 1, "backend": "cuda", "model": "L4"}
     fleet = [
         machine(
             f"vast-{i}",
             provider="vast",
             offering="container",
             address=f"10.9.1.{i + 1}",
-            accelerators=l4,
+            accelerators=L4,
         )
         for i in range(16)
     ]

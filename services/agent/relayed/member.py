@@ -13,7 +13,7 @@ from libs.contracts.base import now
 from libs.contracts.bounds import stream_window
 from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.errors import ErrorCode, NodusError
-from libs.contracts.relay import Member, RelayRecord
+from libs.contracts.relay import RELAYS_PER_MEMBER, Member, RelayRecord
 from libs.runtime.tasks import cancel_and_wait
 from libs.wg import key_from_base64
 from services.agent.introductions import introduced_peer
@@ -24,7 +24,6 @@ from services.agent.relayed.wgdevice import WgDevice
 log = logging.getLogger("nodus.agent.member")
 
 RELAY_FRESH = timedelta(seconds=10)
-RELAYS_PER_MEMBER = 2
 
 
 async def live_relays(bus: Bus) -> list[RelayRecord]:
