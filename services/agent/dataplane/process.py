@@ -99,9 +99,7 @@ class DataplaneProcess:
         stopping = asyncio.ensure_future(self.stop.wait())
         try:
             await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if not starting.done():
-                starting.cancel()
-            elif starting.exception() is not None:
+            if starting.done() and starting.exception() is not None:
                 error = starting.exception()
                 if not isinstance(error, NodusError | OSError | TimeoutError):
                     raise error  # type: ignore[misc]
@@ -119,6 +117,11 @@ class DataplaneProcess:
             return 0
         finally:
             stopping.cancel()
+            if not starting.done():
+                # Awaited here: a start cancelled and left running would still be reading the
+                # bus when the process closes it (ConnectionDrainingError, never retrieved).
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
             server.close()
             await self._tasks.close()
             try:
