@@ -30,8 +30,10 @@ T = TypeVar("T")
 RETRY_SECONDS = 20.0
 PAUSES = (0.05, 0.1, 0.2, 0.5, 1.0)  # then 1 s until the deadline
 
-# JetStream's "temporarily unavailable" and "no leader" answers.
-_TRANSIENT_API_CODES = {10008, 10023}
+# JetStream's "temporarily unavailable" and "no leader" answers, and "no suitable peers for
+# placement, peer offline" (10005: a stream made while a server of the cluster restarts; on a
+# cluster too small for the replicas it stays, and the deadline raises it).
+_TRANSIENT_API_CODES = {10005, 10008, 10023}
 
 RETRIES = Counter(
     "nodus_bus_retries_total",
