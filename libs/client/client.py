@@ -21,6 +21,7 @@ from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.jobs import Job, JobEvent
 from libs.contracts.lifecycle import LogsReply, LogsRequest, ProbeRecord
 from libs.contracts.relay import UsageRecord
+from libs.jobs.billing import billed_bytes
 
 T = TypeVar("T")
 
@@ -218,11 +219,13 @@ class Client:
         return events[-limit:]
 
     async def usage(self) -> dict[str, int]:
-        """Bytes members sent through relays, per gang (`org.name`), from the usage stream."""
-        totals: dict[str, int] = {}
-        for record in await self._replay(names.USAGE_STREAM, names.USAGE_SUBJECTS[0], UsageRecord):
-            totals[record.gang] = totals.get(record.gang, 0) + record.bytes_sent
-        return totals
+        """Relay bytes billed per gang (`org.name`), from the usage stream (billed_bytes:
+        what members' programs sent, counted once)."""
+        return billed_bytes(await self.usage_records())
+
+    async def usage_records(self) -> list[UsageRecord]:
+        """Every usage record the relays published, oldest first."""
+        return await self._replay(names.USAGE_STREAM, names.USAGE_SUBJECTS[0], UsageRecord)
 
     async def _replay(self, stream: str, subject: str, kind: type[T]) -> list[T]:
         """Every record `stream` holds on `subject`, oldest first; records that do not

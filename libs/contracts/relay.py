@@ -64,6 +64,11 @@ class MemberPaths(Record):
     changed_time: datetime
 
 
+# A relay that takes a member's own total of what it sent (`Sent`, libs/jobs/billing.py). A
+# member tells it only to relays that announce this, so relays are upgraded before members.
+CAPABILITY_USAGE_TOTALS = "usage-totals-v1"
+
+
 class RelayRecord(Record):
     """A relay announces itself (C6): where members dial it and the key they prove theirs to."""
 
@@ -81,7 +86,8 @@ class RelayRecord(Record):
 class UsageRecord(Record):
     """Bytes one member's programs sent through one relay in one interval (the plaintext of
     its WireGuard transport messages: WireGuard's own header, tag, keepalives and handshakes
-    are not billed); published with the id
+    are not billed), and the member's own total of them so far, counted once (`reported`: 0
+    when it told none; libs/jobs/billing.py weighs the two); published with the id
     `relay:boot:gang:epoch:node:seq` so a retried flush lands once (G17)."""
 
     relay: str
@@ -93,3 +99,4 @@ class UsageRecord(Record):
     bytes_sent: int
     start_time: datetime
     end_time: datetime
+    reported: int = 0

@@ -28,6 +28,7 @@ from libs.relayproto.frames import (
     Present,
     Recv,
     Send,
+    Sent,
     encode,
 )
 from libs.relayproto.handshake import HandshakeRefused
@@ -48,8 +49,10 @@ class RelayClient:
         on_message: Callable[[bytes, bytes], None],
         on_presence: Callable[[RelayClient], None] | None = None,
         on_batch_end: Callable[[], None] | None = None,
+        takes_totals: bool = False,
     ) -> None:
         self.name = name
+        self.takes_totals = takes_totals  # it announced CAPABILITY_USAGE_TOTALS: `Sent` is known
         self.address = address
         self.gang, self.epoch, self.node = gang, epoch, node
         self._private, self._public = wg_private, wg_public
@@ -181,10 +184,16 @@ class RelayClient:
         conn = self.conn
         return conn is not None and conn.send_nowait(encode(Send(dst, message)))
 
-    def send_many(self, messages: list[tuple[bytes, bytes]]) -> bool:
-        """Queue several WireGuard messages in one write (one system call, not one each)."""
+    def send_many(self, messages: list[tuple[bytes, bytes]], sent: int | None = None) -> bool:
+        """Queue several WireGuard messages in one write (one system call, not one each),
+        then, when given, the member's count of what its programs sent so far (`Sent`)."""
         conn = self.conn
-        return conn is not None and conn.send_all([encode(Send(d, m)) for d, m in messages])
+        if conn is None:
+            return False
+        frames = [encode(Send(d, m)) for d, m in messages]
+        if sent is not None and self.takes_totals:
+            frames.append(encode(Sent(sent)))
+        return conn.send_all(frames)
 
     def backlog(self) -> int:
         conn = self.conn

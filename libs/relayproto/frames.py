@@ -1,6 +1,7 @@
 """Frames: `u32 length | u8 type | body`, length counting type and body, big-endian.
 
-Member <-> relay:  Challenge (relay first), Hello, Welcome, Send, Recv, Ping, Pong, ErrorFrame.
+Member <-> relay:  Challenge (relay first), Hello, Welcome, Send, Recv, Ping, Pong, ErrorFrame,
+                   Home, Sent.
 Relay <-> relay:   Challenge, MeshHello, PresenceDump, Present, Absent, Forward, Ping, Pong.
 The only payload a relay carries between members is a WireGuard message (types 1-4, G16).
 """
@@ -82,6 +83,16 @@ class Home:
 
 
 @dataclass(frozen=True, slots=True)
+class Sent:
+    """Member -> relay: what the member's programs have sent so far in this epoch, counted as
+    relays meter it (the plaintext of WireGuard transport messages) and counted once: what it
+    sends again after losing a relay is not in it. Relays bill the highest total any of them
+    heard, within a bound of what they carried (libs/contracts/relay.py: billed_bytes)."""
+
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
 class MeshHello:
     name: str
     proof: bytes
@@ -121,6 +132,7 @@ Frame = (
     | Pong
     | ErrorFrame
     | Home
+    | Sent
     | MeshHello
     | Present
     | PresenceDump
@@ -128,7 +140,9 @@ Frame = (
     | Forward
 )
 
-T_CHALLENGE, T_HELLO, T_WELCOME, T_SEND, T_RECV, T_PING, T_PONG, T_ERROR, T_HOME = range(1, 10)
+T_CHALLENGE, T_HELLO, T_WELCOME, T_SEND, T_RECV, T_PING, T_PONG, T_ERROR, T_HOME, T_SENT = range(
+    1, 11
+)
 T_MESH_HELLO, T_PRESENCE_DUMP, T_PRESENT, T_ABSENT, T_FORWARD = range(16, 21)
 
 
@@ -173,6 +187,8 @@ def encode(frame: Frame) -> bytes:
             return _frame(T_ERROR, _str(code), _str(message))
         case Home(failover):
             return _frame(T_HOME, b"\x01" if failover else b"\x00")
+        case Sent(total):
+            return _frame(T_SENT, _U64.pack(total))
         case MeshHello(name, proof):
             return _frame(T_MESH_HELLO, _str(name), proof)
         case Present(key, gang, epoch):
@@ -245,6 +261,8 @@ def _decode(kind: int, body: memoryview) -> Frame:
         if flag > 1:
             raise FrameError("home flag must be 0 or 1")
         frame = Home(bool(flag))
+    elif kind == T_SENT:
+        frame = Sent(r.u64())
     elif kind == T_MESH_HELLO:
         frame = MeshHello(r.string(), r.take(32))
     elif kind == T_PRESENT:

@@ -113,7 +113,8 @@ class Link:
         # sender
         self._next_seq = 0
         self._unacked: deque[tuple[int, bytes]] = deque()
-        self._unsent = 0  # how many of the newest unacked messages were never transmitted
+        self._unsent = 0  # how many of the newest unacked messages are to be transmitted
+        self._fresh = 0  # how many of those were never transmitted (the newest ones)
         self._last_progress: float | None = None  # when acknowledgements last moved
         self._backoff = 1  # doubles with each resend that brought no progress
         # receiver
@@ -197,17 +198,27 @@ class Link:
     # -- the transport -------------------------------------------------------------------------
 
     def outgoing(self) -> list[bytes]:
-        """Payloads to send now: an acknowledgement if one is due, then every message never
-        transmitted (or all unacknowledged ones after `retransmit`), packed up to max_payload."""
-        parts: list[bytes] = []
+        """Payloads to send now, resent ones first (see `outgoing_parts`)."""
+        resent, fresh = self.outgoing_parts()
+        return resent + fresh
+
+    def outgoing_parts(self) -> tuple[list[bytes], list[bytes]]:
+        """Payloads to send now, in the order they go: every unacknowledged message sent again
+        after `retransmit`, then the fresh ones (an acknowledgement if one is due, and every
+        message never transmitted), each group packed up to max_payload. Kept apart so the
+        sender can count what its programs sent once (the relays bill that, G17)."""
+        fresh_from = len(self._unacked) - self._fresh
+        resent = [self._unacked[i][1] for i in range(len(self._unacked) - self._unsent, fresh_from)]
+        fresh: list[bytes] = []
         if self._ack_due:
-            parts.append(HEADER.pack(ACK, self._expected, 0, 0))
+            fresh.append(HEADER.pack(ACK, self._expected, 0, 0))
             self._ack_due = False
             self._since_ack = 0
-        start = len(self._unacked) - self._unsent
-        for index in range(start, len(self._unacked)):
-            parts.append(self._unacked[index][1])
-        self._unsent = 0
+        fresh += [self._unacked[i][1] for i in range(fresh_from, len(self._unacked))]
+        self._unsent = self._fresh = 0
+        return self._packed(resent), self._packed(fresh)
+
+    def _packed(self, parts: list[bytes]) -> list[bytes]:
         payloads: list[bytes] = []
         batch: list[bytes] = []
         size = 0
@@ -303,6 +314,7 @@ class Link:
         self._inflight += len(message)
         self._next_seq = (self._next_seq + 1) % SEQ_MOD
         self._unsent += 1
+        self._fresh += 1
 
     def _acked(self, next_expected: int, now: float, events: list[Event]) -> None:
         progressed = False
@@ -315,6 +327,7 @@ class Link:
                     events.append(CreditAvailable(stream))
             self._blocked.clear()
         self._unsent = min(self._unsent, len(self._unacked))
+        self._fresh = min(self._fresh, self._unsent)
         if progressed:
             self._last_progress = now if self._unacked else None
             self._backoff = 1

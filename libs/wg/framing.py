@@ -37,6 +37,10 @@ class Framing(Protocol):
         """The payload inside a non-empty padded plaintext, or None."""
         ...
 
+    def plaintext_size(self, length: int) -> int:
+        """How long the plaintext of a payload of `length` bytes is (what a relay meters)."""
+        ...
+
 
 class SizedFraming:
     def encode(self, payload: bytes | bytearray | memoryview) -> bytearray:
@@ -47,6 +51,9 @@ class SizedFraming:
         _U16.pack_into(plaintext, 0, length)
         plaintext[2 : 2 + length] = payload
         return plaintext
+
+    def plaintext_size(self, length: int) -> int:
+        return _padded(2 + length)
 
     def decode(self, plaintext: bytearray) -> bytearray | None:
         if len(plaintext) < 2:
@@ -69,6 +76,9 @@ class IPFraming:
         plaintext = bytearray(_padded(length))
         plaintext[:length] = payload
         return plaintext
+
+    def plaintext_size(self, length: int) -> int:
+        return _padded(length)
 
     def decode(self, plaintext: bytearray) -> bytearray | None:
         version = plaintext[0] >> 4

@@ -7,7 +7,12 @@ metered frame is one store into that mapping, so what a relay metered survives i
 being killed (the pages belong to the kernel); a relay that starts again on the same journal
 publishes what its last life metered and never published.
 
-A record is prepared in the journal before it is published (seq, bytes) and published with
+A slot also keeps the highest total the member said it sent (`Sent`): what its programs sent,
+counted once, which the bill prefers to the relays' own counts when they agree within a
+bound (libs/contracts/relay.py: billed_bytes).
+
+A record is prepared in the journal before it is published (seq, bytes, the member's total)
+and published with
 the id `relay:journal:gang:epoch:node:seq`; a retry, in this life or the next, republishes
 the very same record, so the stream's de-duplication lands it once. Without a journal file
 (tests, benchmarks) the journal lives in anonymous memory and a killed relay loses at most
@@ -36,16 +41,25 @@ log = logging.getLogger("nodus.relay.billing")
 
 Key = tuple[str, int, str]  # gang, epoch, node
 
-MAGIC = b"NODUSUJ1"
+MAGIC = b"NODUSUJ2"
 HEADER = struct.Struct("<8s16sI")  # magic, journal id, slot count
-SLOT_SIZE = 256
+SLOT_SIZE = 512
 SLOT_HEAD = struct.Struct("<BH")  # in use, key length
-SLOT_KEY_MAX = 200
-# counted, published, seq, in-flight bytes, since (unix seconds of the unpublished period)
-SLOT_NUMBERS = struct.Struct("<QQQQd")
+SLOT_KEY_MAX = 256  # org.name (127) + epoch + node (63), with room
+# counted, published, seq (of the last record prepared), acknowledged seq, bytes of record
+# `seq`, since (unix seconds of the unpublished period), the member's own total (`Sent`), and
+# the total record `seq` carries
+SLOT_NUMBERS = struct.Struct("<QQQQQdQQ")
 NUMBERS_AT = SLOT_HEAD.size + SLOT_KEY_MAX
 COUNTED = struct.Struct("<Q")
+REPORTED_AT = NUMBERS_AT + 6 * 8
 FIRST_SLOTS = 1024
+
+# The first layout (256-byte slots, no member totals): read once, then written anew.
+V1_MAGIC = b"NODUSUJ1"
+V1_SLOT_SIZE = 256
+V1_NUMBERS_AT = SLOT_HEAD.size + 200
+V1_NUMBERS = struct.Struct("<QQQQd")  # counted, published, seq, in-flight bytes, since
 
 
 @dataclass(slots=True)
@@ -53,9 +67,16 @@ class Slot:
     index: int
     counted: int = 0
     published: int = 0
-    seq: int = 0
-    inflight: int = 0  # bytes of record `seq`, prepared and not yet acknowledged
+    seq: int = 0  # the last record prepared; it is unacknowledged while seq > acked
+    acked: int = 0
+    inflight: int = 0  # bytes of record `seq`
     since: float = 0.0
+    reported: int = 0  # the highest total the member said it sent (`Sent`)
+    record_reported: int = 0  # the total record `seq` carries
+
+    @property
+    def pending(self) -> bool:
+        return self.seq > self.acked
 
 
 class Journal:
@@ -66,12 +87,11 @@ class Journal:
         self.slots: dict[Key, Slot] = {}
         self._fd: int | None = None
         if path is None:
-            self.id = secrets.token_hex(8)
-            self._map = mmap.mmap(-1, HEADER.size + FIRST_SLOTS * SLOT_SIZE)
-            self.capacity = FIRST_SLOTS
-            self._write_header()
+            self._create_anonymous()
             return
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() and path.stat().st_size and _magic(path) == V1_MAGIC:
+            self._upgrade_v1(path)
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         size = os.fstat(self._fd).st_size
         if size == 0:
@@ -89,6 +109,49 @@ class Journal:
             self.capacity = capacity
             self._load()
 
+    def _create_anonymous(self, capacity: int = FIRST_SLOTS, journal_id: str = "") -> None:
+        self.id = journal_id or secrets.token_hex(8)
+        self._map = mmap.mmap(-1, HEADER.size + capacity * SLOT_SIZE)
+        self.capacity = capacity
+        self._write_header()
+
+    def _upgrade_v1(self, path: Path) -> None:
+        """A journal of the first layout: its slots (what its relay metered and did not publish
+        yet) are written in this layout under the same id, then replace it in one rename."""
+        raw = path.read_bytes()
+        _, raw_id, capacity = HEADER.unpack_from(raw, 0)
+        if len(raw) < HEADER.size + capacity * V1_SLOT_SIZE:
+            raise ValueError(f"{path} is a truncated relay usage journal")
+        self._create_anonymous(max(capacity, FIRST_SLOTS), raw_id.decode().rstrip("\x00"))
+        for index in range(capacity):
+            at = HEADER.size + index * V1_SLOT_SIZE
+            used, length = SLOT_HEAD.unpack_from(raw, at)
+            if not used:
+                continue
+            gang, epoch, node = (
+                raw[at + SLOT_HEAD.size : at + SLOT_HEAD.size + length].decode().split("\x00")
+            )
+            counted, published, seq, inflight, since = V1_NUMBERS.unpack_from(
+                raw, at + V1_NUMBERS_AT
+            )
+            slot = self.slot((gang, int(epoch), node))
+            slot.counted, slot.published, slot.seq, slot.inflight, slot.since = (
+                counted,
+                published,
+                seq,
+                inflight,
+                since,
+            )
+            slot.acked = seq - 1 if inflight else seq
+            self._store(slot)
+        upgraded = path.with_suffix(path.suffix + ".v2")
+        upgraded.write_bytes(self._map[:])
+        os.chmod(upgraded, 0o600)
+        os.replace(upgraded, path)
+        self._map.close()
+        self.slots.clear()
+        log.info("usage journal %s: upgraded to the layout with members' own totals", path)
+
     def _write_header(self) -> None:
         HEADER.pack_into(self._map, 0, MAGIC, self.id.encode(), self.capacity)
 
@@ -103,12 +166,8 @@ class Journal:
                 continue
             raw = bytes(self._map[at + SLOT_HEAD.size : at + SLOT_HEAD.size + length])
             gang, epoch, node = raw.decode().split("\x00")
-            counted, published, seq, inflight, since = SLOT_NUMBERS.unpack_from(
-                self._map, at + NUMBERS_AT
-            )
-            self.slots[(gang, int(epoch), node)] = Slot(
-                index, counted, published, seq, inflight, since
-            )
+            numbers = SLOT_NUMBERS.unpack_from(self._map, at + NUMBERS_AT)
+            self.slots[(gang, int(epoch), node)] = Slot(index, *numbers)
 
     def slot(self, key: Key) -> Slot:
         found = self.slots.get(key)
@@ -146,9 +205,15 @@ class Journal:
         self._write_header()
 
     def count(self, slot: Slot, size: int) -> None:
-        """The hot path: one store per metered frame."""
+        """The hot path: one store per metered read."""
         slot.counted += size
         COUNTED.pack_into(self._map, self._offset(slot.index) + NUMBERS_AT, slot.counted)
+
+    def report(self, slot: Slot, total: int) -> None:
+        """The member's own total: the highest one told is kept."""
+        if total > slot.reported:
+            slot.reported = total
+            COUNTED.pack_into(self._map, self._offset(slot.index) + REPORTED_AT, total)
 
     def _store(self, slot: Slot) -> None:
         SLOT_NUMBERS.pack_into(
@@ -157,20 +222,29 @@ class Journal:
             slot.counted,
             slot.published,
             slot.seq,
+            slot.acked,
             slot.inflight,
             slot.since,
+            slot.reported,
+            slot.record_reported,
         )
 
+    def due(self, slot: Slot) -> bool:
+        """Something metered or told that no record holds yet."""
+        return slot.counted > slot.published or slot.reported > slot.record_reported
+
     def prepare(self, slot: Slot) -> None:
-        """Fix the next record (seq, bytes) in the journal before it is published; it covers
-        the time from `since` to its publication."""
+        """Fix the next record (seq, bytes, the member's total) in the journal before it is
+        published; it covers the time from `since` to its publication."""
         slot.seq += 1
         slot.inflight = slot.counted - slot.published
+        slot.record_reported = slot.reported
         self._store(slot)
 
     def published(self, slot: Slot, now: float) -> None:
         slot.published += slot.inflight
         slot.inflight = 0
+        slot.acked = slot.seq
         slot.since = now
         self._store(slot)
 
@@ -187,6 +261,11 @@ class Journal:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _magic(path: Path) -> bytes:
+    with path.open("rb") as file:
+        return file.read(len(MAGIC))
 
 
 class UsageMeter:
@@ -225,6 +304,10 @@ class UsageMeter:
     def add(self, gang: str, epoch: int, node: str, size: int) -> None:
         self.journal.count(self.journal.slot((gang, epoch, node)), size)
 
+    def report(self, gang: str, epoch: int, node: str, total: int) -> None:
+        """The member's own count of what its programs sent (billed_bytes weighs it)."""
+        self.journal.report(self.journal.slot((gang, epoch, node)), total)
+
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
@@ -233,15 +316,15 @@ class UsageMeter:
     async def flush(self) -> None:
         now = time.time()
         for key, slot in list(self.journal.slots.items()):
-            if slot.inflight == 0 and slot.counted > slot.published:
+            if not slot.pending and self.journal.due(slot):
                 self.journal.prepare(slot)
-            if slot.inflight:
+            if slot.pending:
                 if await self._publish(key, slot, now):
                     self.journal.published(slot, now)
                 continue
             counted, since = self._seen.get(key, (-1, now))
-            if counted != slot.counted:
-                self._seen[key] = (slot.counted, now)
+            if counted != slot.counted + slot.reported:
+                self._seen[key] = (slot.counted + slot.reported, now)
             elif now - since > self.idle_forget:  # all published, and quiet for long
                 self.journal.forget(key)
                 del self._seen[key]
@@ -256,6 +339,7 @@ class UsageMeter:
             node=node,
             seq=slot.seq,
             bytes_sent=slot.inflight,
+            reported=slot.record_reported,
             start_time=datetime.fromtimestamp(slot.since or now, UTC),
             end_time=datetime.fromtimestamp(now, UTC),
         )

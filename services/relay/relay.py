@@ -18,7 +18,7 @@ from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.bounds import derive
 from libs.contracts.jobs import PathClass
-from libs.contracts.relay import RelayRecord
+from libs.contracts.relay import CAPABILITY_USAGE_TOTALS, RelayRecord
 from libs.relayproto import (
     Absent,
     Forward,
@@ -32,6 +32,7 @@ from libs.relayproto import (
     Present,
     Recv,
     Send,
+    Sent,
     Welcome,
     encode,
     member_proof,
@@ -172,7 +173,7 @@ class Relay:
                 address=self.address,
                 public_key=_b64(self.public_key),
                 version=VERSION,
-                capabilities=["relay-v1", "mesh-v1"],
+                capabilities=["relay-v1", "mesh-v1", CAPABILITY_USAGE_TOTALS],
                 heartbeat_time=now(),
                 stun_address=self.stun_address,
             )
@@ -262,6 +263,8 @@ class Relay:
                     sends.append(frame)
                 elif isinstance(frame, Ping):
                     conn.send_nowait(Pong(frame.data))
+                elif isinstance(frame, Sent):
+                    self.meter.report(identity.gang, identity.epoch, identity.node, frame.total)
                 elif isinstance(frame, Home):
                     if frame.failover:
                         FAILOVERS.inc()

@@ -4,8 +4,8 @@ A job is billed when it ends, from every usage record the relays published for i
 record can come later: a relay killed mid-run publishes what its journal kept once it is back,
 and a flush can wait out a bus failover. Such a record must not go unbilled, so the stream's
 record count per gang is swept every few seconds; a gang whose count moved is followed until
-its job has ended, and a finished Relayed job whose bill differs from what the relays metered
-gets the difference, with a `BillingAmended` event. Replicas that sweep at once write the same
+its job has ended, and a finished Relayed job whose bill differs from what the records now
+bill (libs/jobs/billing.py) gets the difference, with a `BillingAmended` event. Replicas that sweep at once write the same
 bill (a compare-and-set on the job) and the same event (one `Nats-Msg-Id`)."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from libs.contracts.errors import NodusError
 from libs.contracts.jobs import FINISHED_PHASES as FINAL
 from libs.contracts.jobs import Billing, Job, JobEvent, PathClass
 from libs.contracts.relay import UsageRecord
+from libs.jobs.billing import billed_bytes
 
 log = logging.getLogger("nodus.runner.billing")
 
@@ -36,14 +37,14 @@ RECENT_AT_START = timedelta(minutes=30)
 
 
 async def relay_bytes(bus: Bus, gang: str) -> int:
-    """Every byte the relays metered for the gang, each record of the stream read."""
-    total = 0
+    """The relay bytes billed for the gang (billed_bytes), each record of the stream read."""
+    records = []
     for msg in await bus.replay(names.USAGE_STREAM, names.usage_subject("*", gang)):
         try:
-            total += msgspec.json.decode(msg.data, type=UsageRecord).bytes_sent
+            records.append(msgspec.json.decode(msg.data, type=UsageRecord))
         except msgspec.ValidationError:
             continue
-    return total
+    return billed_bytes(records).get(gang, 0)
 
 
 def gang_of(subject: str) -> str:

@@ -1,6 +1,7 @@
 """Done-when of the Relayed path, with real processes: 512 MiB each way between the two members
 of a Relayed gang through the relays; the relay carrying the traffic is killed (SIGKILL) in
-the middle; every byte arrives intact and in order, on a connection that was never reset."""
+the middle; every byte arrives intact and in order, on a connection that was never reset, and
+is billed once."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from libs.client.client import Client
 from libs.contracts import names
 from libs.contracts.jobs import Phase
 from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest
+from libs.jobs.billing import usage_by_member
 from tests.factories import job
 from tests.socks_client import socks_connect
 
@@ -69,6 +71,12 @@ FLEET = {
 }
 
 
+async def billed(client: Client) -> dict[str, int]:
+    """What each member of the gang is billed now, from the usage stream (libs/jobs/billing)."""
+    records = await client.usage_records()
+    return {node: usage.billed for (_, _, node), usage in usage_by_member(records).items()}
+
+
 async def joined(client: Client, node: str) -> JoinedEpochsReply:
     return await client.bus.request(
         names.node_request(node, names.AgentVerb.EPOCHS), JoinedEpochsRequest(), JoinedEpochsReply
@@ -102,8 +110,13 @@ async def test_512_mib_each_way_survive_the_relay_carrying_them_being_killed(
             await asyncio.sleep(0.1)
         else:
             raise AssertionError("the members' tunnels never came up")
-        placed = await client.get_job("big")
-        assert placed.status.phase in (Phase.PLACED, Phase.PROBING, Phase.RUNNING)
+        for _ in range(600):  # the probe done: its bytes are the probe's, before ours
+            placed = await client.get_job("big")
+            if placed.status.phase is not Phase.PLACED and placed.status.phase is not Phase.PROBING:
+                break
+            await asyncio.sleep(0.1)
+        assert placed.status.phase is Phase.RUNNING, placed.status
+        billed_before = await billed(client)
         records = {r.inventory.node: r for r, _, _ in await client.list_nodes()}
         socks = records["vast-a"].socks_endpoint.rsplit(":", 1)
 
@@ -161,6 +174,19 @@ async def test_512_mib_each_way_survive_the_relay_carrying_them_being_killed(
         assert back_count[0] == SIZE and back.hexdigest() == digest
         moved = (await joined(client, "vast-a")).epochs[0].relay
         assert moved is not None and moved != home
+        # Billed once (G17): what the dead relay metered and the members then resent through
+        # the other one is not billed twice. The killed relay publishes its journal once back.
+        system.restart(carrying.name)
+        # Each member's program sent SIZE, plus the link's own headers (well under 0.1 %).
+        for _ in range(100):
+            bills = {
+                node: b - billed_before.get(node, 0) for node, b in (await billed(client)).items()
+            }
+            if all(bills.get(node, 0) >= SIZE for node in ("vast-a", "lam-b")):
+                break
+            await asyncio.sleep(0.2)
+        for node in ("vast-a", "lam-b"):
+            assert SIZE <= bills[node] <= SIZE * 1.001, (node, bills[node] / SIZE)
     finally:
         await client.close()
         system.stop()

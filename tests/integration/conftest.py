@@ -139,6 +139,7 @@ class Node:
             self.private,
             self.public,
             lambda src, msg: self.inbox.put_nowait((src, msg)),
+            takes_totals=True,
         )
 
 

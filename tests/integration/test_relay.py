@@ -148,6 +148,11 @@ async def test_the_bytes_each_members_programs_send_are_metered_once(
     assert ("acme.rl", 1, "a") not in relays[1].meter.counts or relays[1].meter.counts[
         ("acme.rl", 1, "a")
     ] == 0
+    # a says what its programs sent, once: part of the above was a resend. That is the bill.
+    client_a.send_many([(b.public, wg_shaped(1000))], sent=sent - 3000)
+    await asyncio.wait_for(b.inbox.get(), 5)
+    await relays[0].meter.flush()
+    assert await Client(bus).usage() == {"acme.rl": sent - 3000}
 
 
 def test_frames_encode_only_what_fits() -> None:

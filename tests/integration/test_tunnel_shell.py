@@ -51,7 +51,15 @@ async def members(bus: Bus) -> AsyncIterator[Members]:
     await enrol(bus, GANG, 1, list(nodes))
     await known((relay, relay), *nodes)
     tunnels = tuple(
-        Tunnel(n.name, GANG, 1, ADDRESSES[i], WgDevice(n.private), [(relay.name, relay.address)])
+        Tunnel(
+            n.name,
+            GANG,
+            1,
+            ADDRESSES[i],
+            WgDevice(n.private),
+            [(relay.name, relay.address)],
+            totals={relay.name},
+        )
         for i, n in enumerate(nodes)
     )
     for i, tunnel in enumerate(tunnels):
@@ -163,4 +171,42 @@ async def test_a_local_reset_resets_only_its_own_stream(members: Members) -> Non
         writer.write(b"still open")
         assert await asyncio.wait_for(reader.read(100), 5) == b"STILL OPEN"
         assert len(a.bridges) == 1 and len(b.bridges) == 1
+        writer.close()
+
+
+async def test_the_relay_hears_what_the_members_programs_sent_counted_once(
+    members: Members,
+) -> None:
+    """The relay meters every message it carries; the member tells it what its programs sent,
+    once (a resend is not in it: tests/unit/test_link.py). With nothing lost they agree to the
+    byte."""
+    await start(members, 0, 1)
+    received = bytearray()
+
+    async def sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1 << 16):
+            received.extend(data)
+        writer.close()
+
+    server = await asyncio.start_server(sink, ADDRESSES[1], 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        code, _, writer = await socks_connect(members.socks_address, ADDRESSES[1], port)
+        assert code == 0
+        writer.write(b"z" * (3 << 20))
+        await writer.drain()
+
+        async def arrived() -> bool:
+            return len(received) == 3 << 20
+
+        await eventually(arrived, timeout=10)
+        a = members.tunnels[0]
+        slot = members.relay.meter.journal.slots[(GANG, 1, "a")]
+
+        async def told() -> bool:
+            return slot.reported == a.sent_once
+
+        await eventually(told, timeout=5)
+        assert slot.counted == slot.reported  # nothing was sent twice
+        assert 3 << 20 < slot.reported < (3 << 20) * 1.001, slot.reported
         writer.close()

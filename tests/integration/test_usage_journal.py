@@ -16,7 +16,16 @@ import pytest
 from libs.bus import Bus
 from libs.bus.server import NatsServer
 from libs.client.client import Client
-from services.relay.billing import Journal, UsageMeter
+from services.relay.billing import (
+    HEADER,
+    SLOT_HEAD,
+    V1_MAGIC,
+    V1_NUMBERS,
+    V1_NUMBERS_AT,
+    V1_SLOT_SIZE,
+    Journal,
+    UsageMeter,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -122,3 +131,46 @@ def test_the_journal_grows_past_its_first_slots(tmp_path: Path) -> None:
     assert again.slots[("acme.g", 1, "n1499")].counted == 1499
     again.close()
     os.remove(tmp_path / "usage.journal")
+
+
+async def test_a_members_own_total_survives_the_kill_and_is_billed_once(
+    nats_server: NatsServer, bus: Bus, tmp_path: Path
+) -> None:
+    """The relay metered a's resends too (1,400,000 bytes); a said it sent 1,390,000, last
+    just before the kill. The restarted relay publishes that total, and the bill is a's."""
+    journal = tmp_path / "usage.journal"
+    killed_run(
+        nats_server,
+        journal,
+        """
+        meter.add("acme.g", 1, "a", 1_400_000)  # one read's worth, for short
+        meter.report("acme.g", 1, "a", 1_000_000)
+        await meter.flush()
+        meter.report("acme.g", 1, "a", 1_390_000)  # told, then the kill: no record holds it
+        """,
+    )
+    assert await billed(bus) == 1_000_000
+    await restarted(bus, journal)
+    assert await billed(bus) == 1_390_000
+
+
+async def test_a_journal_of_the_first_layout_is_upgraded_with_what_it_had_not_published(
+    bus: Bus, tmp_path: Path
+) -> None:
+    path = tmp_path / "usage.journal"
+    raw = bytearray(HEADER.size + 4 * V1_SLOT_SIZE)
+    HEADER.pack_into(raw, 0, V1_MAGIC, b"0123456789abcdef", 4)
+    at = HEADER.size + 2 * V1_SLOT_SIZE
+    key = b"acme.g\x003\x00a"
+    SLOT_HEAD.pack_into(raw, at, 1, len(key))
+    raw[at + SLOT_HEAD.size : at + SLOT_HEAD.size + len(key)] = key
+    # 9,000 metered, 1,000 published; record 4 (3,000 bytes) prepared and not acknowledged
+    V1_NUMBERS.pack_into(raw, at + V1_NUMBERS_AT, 9000, 1000, 4, 3000, 0.0)
+    path.write_bytes(raw)
+    await restarted(bus, path)
+    assert await billed(bus) == 8000
+    journal = Journal(path)  # upgraded in place, under the same id
+    assert journal.id == "0123456789abcdef"
+    slot = journal.slots[("acme.g", 3, "a")]
+    assert (slot.counted, slot.published, slot.pending) == (9000, 9000, False)
+    journal.close()

@@ -268,3 +268,25 @@ def test_next_deadline_says_when_tick_has_work() -> None:
     pair.a.receive(b"".join(pair.b.outgoing()))
     assert pair.b.next_deadline(5.0) is None
     assert pair.a.next_deadline(5.0) is None  # acknowledged: nothing left to time
+
+
+def test_what_is_sent_again_after_a_path_change_comes_apart_from_what_is_new() -> None:
+    """The member counts what its programs sent once (the relays bill that): resends go in
+    payloads of their own, ahead of the fresh messages."""
+    a, b = Link(0), Link(1)
+    stream = a.open_stream(80)
+    for event in [e for p in a.outgoing() for e in b.receive(p)]:
+        b.accept(event.stream)
+    b.keepalive()  # acknowledges the open
+    for payload in b.outgoing():
+        a.receive(payload)
+    a.send(stream, b"x" * 1000)
+    resent, fresh = a.outgoing_parts()
+    assert resent == [] and sum(map(len, fresh)) == 1000 + HEADER.size  # lost on a dead relay
+    a.retransmit()
+    a.send(stream, b"y" * 500)
+    resent, fresh = a.outgoing_parts()
+    assert sum(map(len, resent)) == 1000 + HEADER.size
+    assert sum(map(len, fresh)) == 500 + HEADER.size
+    got = [e for p in resent + fresh for e in b.receive(p) if isinstance(e, Data)]
+    assert b"".join(e.data for e in got) == b"x" * 1000 + b"y" * 500

@@ -13,7 +13,7 @@ from libs.contracts.base import now
 from libs.contracts.bounds import stream_window
 from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.errors import ErrorCode, NodusError
-from libs.contracts.relay import RELAYS_PER_MEMBER, Member, RelayRecord
+from libs.contracts.relay import CAPABILITY_USAGE_TOTALS, RELAYS_PER_MEMBER, Member, RelayRecord
 from libs.runtime.tasks import cancel_and_wait
 from libs.wg import key_from_base64
 from services.agent.introductions import introduced_peer
@@ -36,13 +36,13 @@ async def live_relays(bus: Bus) -> list[RelayRecord]:
     )
 
 
-async def pick_relays(bus: Bus, wait: float = 30.0) -> list[tuple[str, str]]:
+async def pick_relays(bus: Bus, wait: float = 30.0) -> list[RelayRecord]:
     """Two live relays (fresh heartbeats), in a stable order; waits for at least one."""
     deadline = asyncio.get_running_loop().time() + wait
     while True:
         live = await live_relays(bus)
         if live:
-            return [(r.name, r.address) for r in live[:RELAYS_PER_MEMBER]]
+            return live[:RELAYS_PER_MEMBER]
         if asyncio.get_running_loop().time() > deadline:
             raise NodusError(
                 ErrorCode.NO_RESPONDERS, "no live relay announced itself in nodus-relays"
@@ -69,9 +69,9 @@ class RelayedMember:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        relays = await pick_relays(self.bus)
-        slot = self.member.relay_slot % len(relays)
-        relays = relays[slot:] + relays[:slot]  # home first (the placer's choice), then failover
+        picked = await pick_relays(self.bus)
+        slot = self.member.relay_slot % len(picked)
+        picked = picked[slot:] + picked[:slot]  # home first (the placer's choice), then failover
         device = WgDevice(self.wg_private)
         bounds = self.epoch.bounds
         window = stream_window(bounds)  # the derived per-member buffer (C3), clamped
@@ -81,8 +81,9 @@ class RelayedMember:
             self.epoch.epoch,
             self.member.address,
             device,
-            relays,
+            [(r.name, r.address) for r in picked],
             window,
+            totals={r.name for r in picked if CAPABILITY_USAGE_TOTALS in r.capabilities},
         )
         ready = asyncio.Event()
         self._tasks = [asyncio.create_task(self._watch_peers(ready))]

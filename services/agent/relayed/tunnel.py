@@ -16,7 +16,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Coroutine
+from collections.abc import Collection, Coroutine
 
 from prometheus_client import Counter
 
@@ -78,7 +78,9 @@ class Tunnel:
         device: WgDevice,
         relays: list[tuple[str, str]],
         window: int = STREAM_WINDOW_BYTES,
+        totals: Collection[str] = (),
     ) -> None:
+        """`relays`: (name, host:port), home first; `totals`: those that take `Sent`."""
         self.node, self.gang, self.epoch, self.address = node, gang, epoch, address
         self.device = device
         self.window = window
@@ -98,6 +100,7 @@ class Tunnel:
                 self._on_message,
                 lambda relay: self.relays.presence(relay),
                 self.sockets.write_out,
+                takes_totals=name in totals,
             )
             for name, addr in relays
         ]
@@ -106,6 +109,10 @@ class Tunnel:
         self._writable = asyncio.Event()
         self._writable.set()
         self._flush_scheduled = False
+        # What this member's programs sent, counted once as relays meter it (resends after a
+        # relay was lost are not in it), and the relay last told so: relays bill it (G17).
+        self.sent_once = 0
+        self._told: tuple[RelayClient | None, int] = (None, 0)
         # The relay connections, the timers, drains and inbound streams: a crash is logged.
         self._tasks = TaskSet("tunnel", log)
         self._keepalive_at = 0.0  # when the links next say something (KEEPALIVE)
@@ -176,11 +183,18 @@ class Tunnel:
         home = self.relays.home
         now = time.monotonic()
         wire: list[tuple[bytes, bytes]] = []
+        plaintext_size = self.device.plaintext_size
         for peer in self.peers_by_key.values():
-            for payload in peer.link.outgoing():
+            resent, fresh = peer.link.outgoing_parts()
+            for payload in resent:
                 wire += self.device.send(peer.key, payload, now)
+            for payload in fresh:
+                wire += self.device.send(peer.key, payload, now)
+                self.sent_once += plaintext_size(len(payload))
         if home is not None and wire:
-            home.send_many(wire)  # one write for the lot
+            told = self._told != (home, self.sent_once)
+            self._told = (home, self.sent_once)
+            home.send_many(wire, self.sent_once if told else None)  # one write for the lot
         self.timers.rearm()  # a send may start a handshake or arm a link's resend clock
         if home is not None and home.backlog() > HIGH_WATER and self._writable.is_set():
             self._writable.clear()

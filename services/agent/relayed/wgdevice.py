@@ -34,6 +34,10 @@ class WgDevice:
     def add_peer(self, key: bytes) -> None:
         self._device.add_peer(key)
 
+    def plaintext_size(self, payload: int) -> int:
+        """What a relay meters of a payload of this many bytes (its padded plaintext)."""
+        return self._device.framing.plaintext_size(payload)
+
     def send(self, peer: bytes, payload: bytes, now: float) -> Wire:
         return _wire(self._device.send(peer, payload, now))
 
