@@ -141,6 +141,17 @@ class Billing(Record):
     mesh_relay_gi_b: float = msgspec.field(default=0.0, name="meshRelayGiB")
 
 
+class LastEvent(Record):
+    """The event of the transition that wrote this status, kept with it: a daemon killed after
+    its write and before the event was stored publishes it again when it starts (the same
+    `Nats-Msg-Id`, so the stream keeps one)."""
+
+    kind: str
+    message: str
+    time: datetime
+    seq: int  # the job's events, counted: its id is `<gang>:<created>:<seq>`
+
+
 class JobStatus(Record):
     phase: Phase = Phase.PENDING
     epoch: int = 0
@@ -163,6 +174,7 @@ class JobStatus(Record):
     # Epochs whose ranks were started: the next epoch's ranks are a restart if it is > 0, and
     # get it as NODUS_RESTART_COUNT (they resume from their checkpoint).
     runs: int = 0
+    last_event: LastEvent | None = None
 
 
 class Job(Record):

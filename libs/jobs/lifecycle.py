@@ -20,12 +20,14 @@ from typing import Literal
 
 import msgspec
 
+from libs.contracts.base import now
 from libs.contracts.jobs import (
     FINISHED_PHASES,
     Billing,
     ConditionType,
     GangStatus,
     JobStatus,
+    LastEvent,
     PathClass,
     Phase,
     Probe,
@@ -53,6 +55,12 @@ class Step:
     status: JobStatus
     event: str | None = None
     message: str = ""
+
+    def __post_init__(self) -> None:
+        if self.event is not None:  # written with the status it records (LastEvent)
+            last = self.status.last_event
+            seq = last.seq + 1 if last is not None else 1
+            self.status.last_event = LastEvent(self.event, self.message, now(), seq)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,9 @@
 """Writing a job's transitions: a compare-and-set on its record (only while it is still the
 epoch and in a phase the transition starts from), then the event that records it. The record
-is the truth and the event its audit: an event that fails to publish is logged, not retried."""
+is the truth and the event its audit. The record keeps its last event (`status.lastEvent`,
+with a number of its own), and the event's `Nats-Msg-Id` is made from it: a daemon killed
+between its write and the event's storage publishes the events of the last
+RECENT_EVENT_SECONDS again when it starts, and the stream keeps one of each."""
 
 from __future__ import annotations
 
@@ -44,14 +47,49 @@ async def advance(
     return applied[0]
 
 
+# Within the stream's de-duplication window (120 s), with room for the daemon's restart.
+RECENT_EVENT_SECONDS = 100.0
+
+
 async def publish(bus: Bus, gang: str, epoch: int, step: Step) -> None:
     if step.event is None:
         return
-    event = JobEvent(gang=gang, kind=step.event, epoch=epoch, message=step.message, time=now())
+    await publish_last_event(bus, gang, epoch, step.status)
+
+
+async def publish_last_event(bus: Bus, gang: str, epoch: int, status: JobStatus) -> None:
+    last = status.last_event
+    if last is None:
+        return
+    event = JobEvent(gang=gang, kind=last.kind, epoch=epoch, message=last.message, time=last.time)
+    created = status.created_time.timestamp() if status.created_time else 0.0
     try:
-        await bus.publish(names.job_event(gang, step.event.lower()), event)
+        await bus.publish(
+            names.job_event(gang, last.kind.lower()), event, dedup_id=f"{gang}:{created}:{last.seq}"
+        )
     except Exception as error:  # the job record is the truth; the event is its audit
-        log.warning("event %s for %s not published: %s", step.event, gang, error)
+        log.warning("event %s for %s not published: %s", last.kind, gang, error)
+
+
+async def publish_recent_events(bus: Bus) -> int:
+    """At a daemon's start: the last event of every job that changed in the last
+    RECENT_EVENT_SECONDS, published again (the stream drops the ones it has): what a daemon
+    killed between its write and the event's storage would otherwise have lost. Best effort."""
+    try:
+        jobs = await bus.bucket(names.BUCKET_JOBS, Job).snapshot()
+    except Exception as error:  # the records stand; the events are their audit
+        log.warning("recent job events not published again: %s", error)
+        return 0
+    t = now()
+    recent = [
+        found.value
+        for found in jobs.values()
+        if (last := found.value.status.last_event) is not None
+        and (t - last.time).total_seconds() < RECENT_EVENT_SECONDS
+    ]
+    for job in recent:
+        await publish_last_event(bus, job.key, job.status.epoch, job.status)
+    return len(recent)
 
 
 async def restart_gang(

@@ -35,6 +35,7 @@ from libs.contracts.remediation import (
     RemediationState,
     RepairRequest,
 )
+from libs.jobs.store import publish_recent_events
 from libs.runtime.tasks import TaskSet
 from libs.runtime.version import VERSION
 from libs.runtime.workqueue import WorkQueue
@@ -99,6 +100,7 @@ class Remediator:
         await self.store.start()
         self.queue.start()
         self._tasks.spawn(self._ticker(), name="ticker")
+        self._tasks.spawn(publish_recent_events(self.bus), name="recent events")
         for node in set(self.store.alerts_of) | set(self.store.rems_of):
             self.queue.mark(node)
         await self.bus.serve(

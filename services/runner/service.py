@@ -39,7 +39,7 @@ from libs.contracts.lifecycle import (
 )
 from libs.contracts.relay import Member
 from libs.jobs import lifecycle
-from libs.jobs.store import advance
+from libs.jobs.store import advance, publish_recent_events
 from libs.runtime.tasks import TaskSet
 from services.runner.metrics import PROBE_SECONDS, PROBES, TAKEOVERS, record_pairs
 from services.runner.run import GangRun
@@ -81,6 +81,7 @@ class Runner:
         caught_up = asyncio.Event()
         self.tasks.spawn(self._watch_jobs(caught_up), name="watch-jobs")
         self.tasks.spawn(self._sweep(caught_up), name="takeover-sweep")
+        self.tasks.spawn(publish_recent_events(self.bus), name="recent events")
         log.info("runner %s ready", self.replica)
 
     async def stop(self, release: bool = True) -> None:

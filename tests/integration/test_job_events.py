@@ -1,0 +1,28 @@
+"""A job's event is not lost with the daemon that wrote the transition (chaos seeds 276742 and
+688737 in CI: a runner killed right after it wrote Succeeded, before the event was stored)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from libs.bus import Bus
+from libs.contracts import names
+from libs.contracts.base import now
+from libs.contracts.jobs import Job
+from libs.jobs import lifecycle
+from libs.jobs.store import publish_recent_events
+from tests.factories import job
+
+
+async def test_a_transition_written_whose_event_never_left_is_published_once_at_the_next_start(
+    bus: Bus,
+) -> None:
+    jobs = bus.bucket(names.BUCKET_JOBS, Job)
+    admitted = lifecycle.admitted(now(), "placer-0")
+    written = msgspec.structs.replace(job("lost-event"), status=admitted.status)
+    await jobs.create(written.key, written)  # ... and the daemon was killed here
+    assert await bus.replay(names.EVENTS_STREAM, names.job_event(written.key, ">")) == []
+    for _ in range(2):  # two daemons start (or one, twice): the stream keeps one
+        assert await publish_recent_events(bus) == 1
+    stored = await bus.replay(names.EVENTS_STREAM, names.job_event(written.key, ">"))
+    assert [m.subject for m in stored] == [names.job_event(written.key, "admitted")]
