@@ -68,10 +68,14 @@ def place(
     cfg: PlacerConfig | None = None,
     exclusions: Exclusions | None = None,
     mesh_id: str = "0" * 32,
-    measured: dict[PathClass, set[str]] | None = None,
+    measured: dict[PathClass, set[str]] | dict[PathClass, dict[str, int]] | None = None,
 ) -> tuple[Plan | None, list[Shortfall]]:
+    """`measured`: per path the pairs `nodus qualify` measured (in a gang of 2 when a set)."""
     planner = Planner(cfg or config())
-    planner.measured = measured or {}
+    planner.measured = {
+        path: pairs if isinstance(pairs, dict) else dict.fromkeys(pairs, 2)
+        for path, pairs in (measured or {}).items()
+    }
     plan, shortfalls = planner.plan(the_job, records, exclusions, mesh_id)
     if plan is not None:
         problems = check_plan(plan, {r.inventory.node: r for r in records}, the_job)

@@ -6,6 +6,10 @@ whose probe measures the pair and whose command is the example all-reduce; it re
 result (`tcpGbps`, `rttMs`, the all-reduce's bus bandwidth, when, which machines) in
 `nodus-qualifications`, where the placer reads the pairs it may place that path on.
 `nodus get qualifications` prints the recorded runs, and nothing else.
+
+`--members N` (Relayed only, 2 to 8) measures a gang of N: the probe measures every pair, the
+all-reduce runs on every rank, and the slowest pair is recorded. The placer then admits
+Relayed gangs of up to N members on those offerings (issue 26).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.jobs import (
+    MAX_MEMBERS,
+    MIN_MEMBERS,
     QUALIFY_ORG,
     AcceleratorRequest,
     Distributed,
@@ -50,13 +56,28 @@ def _qualify_flags(parser: argparse.ArgumentParser) -> None:
         help="the pair of machine types: OFFERING or PROVIDER/OFFERING, twice, joined by '+' "
         "(e.g. lambda/vm+crusoe/vm, vm+container)",
     )
+    parser.add_argument(
+        "--members",
+        type=int,
+        default=2,
+        help="the gang's size (Relayed only: 2 to 8); the placer then admits Relayed gangs of "
+        "up to this many members on these offerings",
+    )
     parser.add_argument("--mib", type=int, default=64, help="the all-reduce's tensor size")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     output_flag(parser)
     client_flags(parser, org=False)
 
 
-def qualification_job(path: PathClass, offerings: str, mib: int) -> Job:
+def qualification_job(path: PathClass, offerings: str, mib: int, members: int = 2) -> Job:
+    if members != 2 and path is not PathClass.RELAYED:
+        raise NodusError(
+            ErrorCode.INVALID, f"--members {members}: only a Relayed run measures more than a pair"
+        )
+    if not MIN_MEMBERS <= members <= MAX_MEMBERS:
+        raise NodusError(
+            ErrorCode.INVALID, f"--members {members}: a gang has {MIN_MEMBERS} to {MAX_MEMBERS}"
+        )
     name = f"qualify-{path.value}-{secrets.token_hex(3)}"
     try:
         qualify = msgspec.convert({"path": path.value, "offerings": offerings}, Qualify)
@@ -71,7 +92,7 @@ def qualification_job(path: PathClass, offerings: str, mib: int) -> Job:
             command=WORKLOAD,
             env={"ALLREDUCE_MIB": str(mib), "ALLREDUCE_ITERS": "5"},
             distributed=Distributed(
-                members=2, transport="Direct" if path is PathClass.DIRECT else "Auto"
+                members=members, transport="Direct" if path is PathClass.DIRECT else "Auto"
             ),
             accelerators=AcceleratorRequest(count=0),
             qualify=qualify,
@@ -82,7 +103,7 @@ def qualification_job(path: PathClass, offerings: str, mib: int) -> Job:
 async def _rank_results(client: Client, job: Job) -> list[dict[str, Any]]:
     """Each rank's last JSON line (the all-reduce's result), or {} when it printed none."""
     found = []
-    for rank in range(2):
+    for rank in range(job.spec.distributed.members):
         text, offset = "", 0
         while (reply := await client.logs(job.metadata.name, rank, offset, QUALIFY_ORG)).data:
             text, offset = text + reply.data, reply.offset
@@ -95,9 +116,14 @@ async def _rank_results(client: Client, job: Job) -> list[dict[str, Any]]:
 
 
 async def run_qualification(
-    client: Client, path: PathClass, offerings: str, mib: int = 64, timeout: float = 600.0
+    client: Client,
+    path: PathClass,
+    offerings: str,
+    mib: int = 64,
+    timeout: float = 600.0,
+    members: int = 2,
 ) -> Qualification:
-    job = qualification_job(path, offerings, mib)
+    job = qualification_job(path, offerings, mib, members)
     await client.apply(job)
     deadline = time.monotonic() + timeout
     while True:
@@ -128,11 +154,12 @@ async def run_qualification(
     if not ok:
         reason = next(
             (c.message for c in current.status.conditions if c.status == "False"),
-            "the all-reduce did not verify on both ranks",
+            "the all-reduce did not verify on every rank",
         )
+    distinct = sorted(set(types))
     record = Qualification(
         path=path,
-        pair=pair_of(*types),
+        pair=pair_of(distinct[0], distinct[-1]),
         machines=machines,
         ok=ok,
         tcp_gbps=probe.tcp_gbps if probe else 0.0,
@@ -141,13 +168,24 @@ async def run_qualification(
         job=f"{QUALIFY_ORG}/{job.metadata.name}",
         measured_time=now(),
         reason=reason,
+        members=members,
     )
     bucket = client.bus.bucket(names.BUCKET_QUALIFICATIONS, Qualification)
-    await bucket.put(qualification_key(path, record.pair), record)
+    await bucket.put(qualification_key(path, record.pair, members), record)
     return record
 
 
-COLUMNS = ["PATH", "PAIR", "QUALIFIED", "TCP GBPS", "RTT MS", "BUS GBPS", "MACHINES", "MEASURED"]
+COLUMNS = [
+    "PATH",
+    "PAIR",
+    "MEMBERS",
+    "QUALIFIED",
+    "TCP GBPS",
+    "RTT MS",
+    "BUS GBPS",
+    "MACHINES",
+    "MEASURED",
+]
 
 
 def _row(record: Qualification) -> list[str]:
@@ -155,6 +193,7 @@ def _row(record: Qualification) -> list[str]:
     return [
         record.path.value,
         record.pair,
+        str(record.members),
         "yes" if record.ok else f"no: {record.reason}"[:60],
         f"{record.tcp_gbps:g}",
         f"{record.rtt_ms:g}",
@@ -168,7 +207,7 @@ async def _qualify(args: argparse.Namespace) -> int:
     client = await Client.connect(args.nats, args.credentials)
     try:
         record = await run_qualification(
-            client, PathClass(args.path), args.offerings, args.mib, args.timeout
+            client, PathClass(args.path), args.offerings, args.mib, args.timeout, args.members
         )
     finally:
         await client.close()
@@ -183,7 +222,9 @@ async def _get_qualifications(args: argparse.Namespace) -> int:
         found = await client.bus.bucket(names.BUCKET_QUALIFICATIONS, Qualification).snapshot()
     finally:
         await client.close()
-    records = sorted((v.value for v in found.values()), key=lambda r: (r.path.value, r.pair))
+    records = sorted(
+        (v.value for v in found.values()), key=lambda r: (r.path.value, r.pair, r.members)
+    )
     if not emit([msgspec.to_builtins(r) for r in records], args.output):
         if records:
             print(table(COLUMNS, [_row(r) for r in records]))

@@ -24,9 +24,13 @@ STREAM_WINDOW_BYTES = 4 << 20
 STREAM_WINDOW_MIN_BYTES = 256 << 10
 STREAM_WINDOW_MAX_BYTES = 8 << 20
 FALLBACK_QUEUE_BYTES = 4 << 20
-# What one tunnel link keeps sent and unacknowledged to one peer, over all its streams (what
-# relays may hold for the pair, and what it resends after a failover).
+# The most one tunnel link keeps sent and unacknowledged to one peer, over all its streams
+# (what relays may hold for the pair, and what it resends after a failover); a gang's links
+# keep their member's rate x RTT (link_inflight), which is less in a larger gang.
 LINK_MAX_INFLIGHT_BYTES = 16 << 20
+# A relay queues to one member at most this many times what every other member's link may keep
+# in flight to it: only a member that stopped reading reaches the limit.
+DESTINATION_HEADROOM = 2
 # What the scheduler assumes when comparing placements (G19), until measured numbers exist.
 RELATIVE_TO_DIRECT = {PathClass.PRIVATE: 1.0, PathClass.DIRECT: 1.0, PathClass.RELAYED: 0.25}
 
@@ -35,6 +39,20 @@ def stream_window(bounds: Bounds) -> int:
     """One tunnel stream's window: the derived per-member buffer, clamped."""
     wanted = bounds.tunnel_buffer_bytes or STREAM_WINDOW_BYTES
     return max(STREAM_WINDOW_MIN_BYTES, min(wanted, STREAM_WINDOW_MAX_BYTES))
+
+
+def link_inflight(bounds: Bounds) -> int:
+    """What one link keeps unacknowledged to one peer: the member's share of the gang's rate x
+    RTT (a member sends at most that much in all), clamped to a stream window and the cap."""
+    wanted = bounds.tunnel_buffer_bytes or LINK_MAX_INFLIGHT_BYTES
+    return max(STREAM_WINDOW_MIN_BYTES, min(wanted, LINK_MAX_INFLIGHT_BYTES))
+
+
+def destination_queue_bytes(members: int) -> int:
+    """What a relay queues to one member of a gang of `members` before it drops what else is
+    meant for it: the other members' links in flight to it, with headroom."""
+    others = max(1, members - 1)
+    return DESTINATION_HEADROOM * others * link_inflight(derive(PathClass.RELAYED, members))
 
 
 def derive(

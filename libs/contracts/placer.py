@@ -33,7 +33,8 @@ class RequiredCapabilities(Record):
 class PlacerConfig(Record):
     # Orgs with access to the distributed beta (G1); "*" opens it to every org.
     distributed_access: list[str] = []
-    # Relayed gangs have exactly this many members until multi-member Relayed is qualified (G2).
+    # Relayed gangs of up to this many members are placed on the qualified pairs (G2); a larger
+    # one needs its pairs measured in a gang at least its size (`nodus qualify --members N`).
     relayed_max_members: Annotated[int, msgspec.Meta(ge=MIN_MEMBERS, le=MAX_MEMBERS)] = 2
     qualified: Qualified = msgspec.field(default_factory=Qualified)
     required_capabilities: RequiredCapabilities = msgspec.field(

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeRecord
-from libs.contracts.jobs import QUALIFY_ORG, Job
+from libs.contracts.jobs import QUALIFY_ORG, Job, PathClass
 from services.placer.environment import check_backend_names
 from services.placer.planner import Candidates, Planner, Shortfall
 
@@ -57,10 +57,11 @@ def check_static(job: Job, planner: Planner) -> None:
                 "(`nodus qualify`), not to {org!r}",
                 field="$.spec.qualify",
             )
-        if job.spec.distributed.members != 2:
+        if job.spec.distributed.members != 2 and job.spec.qualify.path is not PathClass.RELAYED:
             raise NodusError(
                 ErrorCode.INVALID,
-                "spec.qualify: a qualification run measures one pair: members must be 2",
+                "spec.qualify: a qualification run measures one pair: members must be 2 (a "
+                "Relayed run may measure a gang of up to 8)",
                 field="$.spec.distributed.members",
             )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import logging
 from collections.abc import Callable, Mapping
@@ -128,14 +129,18 @@ def cordoned(cordons: Mapping[str, Cordon], node: str) -> bool:
     return cordon is not None and bool(cordon.holds)
 
 
-async def follow_cordons(bus: Bus, view: ClusterView, changed: Callable[[], None]) -> None:
-    """Keep `view.cordons` current; a node whose last hold is lifted may be placed on again."""
+async def follow_cordons(
+    bus: Bus, view: ClusterView, changed: Callable[[], None], caught_up: asyncio.Event
+) -> None:
+    """Keep `view.cordons` current; a node whose last hold is lifted may be placed on again.
+    `caught_up` is set once the current cordons are all in the view."""
     try:
         bucket = bus.bucket(names.BUCKET_CORDONS, Cordon)
     except NodusError as error:
         logging.getLogger("nodus.placer").warning("cordons not followed: %s", error)
+        caught_up.set()
         return
-    async for change in bucket.watch():
+    async for change in bucket.watch(caught_up=caught_up):
         if change.value is None:
             view.cordons.pop(change.key, None)
         else:

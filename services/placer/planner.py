@@ -16,6 +16,7 @@ from libs.contracts.errors import ErrorCode
 from libs.contracts.fleet import Inventory, NodeRecord
 from libs.contracts.jobs import Job, PathClass
 from libs.contracts.placer import PlacerConfig
+from libs.contracts.qualify import covered_pairs
 from services.placer.addresses import address_problem, ip_family, is_loopback, mesh_addresses
 
 
@@ -171,14 +172,26 @@ class Planner:
 
     def __init__(self, config: PlacerConfig) -> None:
         self.config = config
-        # Pairs of machine types measured per path (`nodus qualify`, nodus-qualifications):
-        # qualified beside the config's own table, which stays as the operator's override.
-        self.measured: dict[PathClass, set[str]] = {}
+        # Pairs of machine types measured per path (`nodus qualify`, nodus-qualifications),
+        # each with the largest gang it was measured in: qualified beside the config's own
+        # table, which stays as the operator's override (qualified_pairs).
+        self.measured: dict[PathClass, dict[str, int]] = {}
 
     def qualified_patterns(self, job: Job, path: PathClass) -> list[str]:
-        if job.spec.qualify is not None:  # a qualification run: its own pair, measured now
-            return [job.spec.qualify.offerings]
-        return [*getattr(self.config.qualified, path.value), *sorted(self.measured.get(path, ()))]
+        members = job.spec.distributed.members
+        if job.spec.qualify is not None:  # a qualification run: its own pairs, measured now
+            return covered_pairs(job.spec.qualify.offerings, members)
+        measured = self.measured.get(path, {})
+        if path is PathClass.RELAYED and members > self.config.relayed_max_members:
+            # Issue 26: a Relayed gang larger than the operator allows outright runs only on
+            # pairs measured in a gang at least as large.
+            return sorted(p for p, most in measured.items() if most >= members)
+        return [*getattr(self.config.qualified, path.value), *sorted(measured)]
+
+    def relayed_sizes_qualified(self) -> int:
+        """The largest Relayed gang any measured pair, or the operator's limit, admits."""
+        measured = self.measured.get(PathClass.RELAYED, {})
+        return max([self.config.relayed_max_members, *measured.values()])
 
     # -- which paths a job may use -------------------------------------------------------------
 
@@ -191,15 +204,19 @@ class Planner:
         if job.status.path_override is PathClass.RELAYED and distributed.transport == "Auto":
             paths = []  # G12: the direct path failed its probe, so Auto continues as Relayed
         if distributed.transport == "Auto":
-            if distributed.members <= self.config.relayed_max_members:
+            if distributed.members <= self.relayed_sizes_qualified():
                 paths.append(PathClass.RELAYED)
             else:
+                members = distributed.members
                 shortfalls.append(
                     Shortfall(
                         PathClass.RELAYED,
                         ErrorCode.RELAYED_MEMBERS,
-                        f"Relayed gangs have at most {self.config.relayed_max_members} members "
-                        f"until multi-member Relayed is qualified; this gang has {distributed.members}",
+                        f"relayed: a Relayed gang of {members} members needs a qualification "
+                        f"for at least {members} members on its offerings, and none is recorded "
+                        f"(`nodus qualify --path relayed --members {members} --offerings A+B`; "
+                        "the placer config's relayedMaxMembers, "
+                        f"{self.config.relayed_max_members}, admits larger gangs outright)",
                     )
                 )
         # G19: compare placements by the assumed throughput; ties keep the order above.

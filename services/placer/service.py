@@ -21,8 +21,9 @@ from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.jobs import FINISHED_PHASES, Job, Phase
 from libs.contracts.placer import PlacerConfig
-from libs.contracts.qualify import Qualification
+from libs.contracts.qualify import Qualification, qualified_pairs
 from libs.jobs import lifecycle
+from libs.jobs.store import publish_recent_events
 from libs.mesh import MeshIdentity
 from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.runtime.version import VERSION
@@ -77,19 +78,24 @@ class Placer:
     # -- start and stop ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        # One pass per bucket: each watch delivers the current values, then every change.
-        caught_up = [asyncio.Event() for _ in range(3)]
+        # One pass per bucket: each watch delivers the current values, then every change. The
+        # cordons and qualifications are read before the first apply is answered: a placer
+        # that starts must not place a job on a machine under repair, nor refuse one whose
+        # pairs were measured.
+        caught_up = [asyncio.Event() for _ in range(5)]
         self._tasks = [
             asyncio.create_task(self._watch_nodes(caught_up[0])),
             asyncio.create_task(self._watch_health(caught_up[1])),
             asyncio.create_task(self._watch_leases(caught_up[2])),
+            asyncio.create_task(
+                follow_cordons(self.bus, self.view, self._capacity_changed, caught_up[3])
+            ),
+            asyncio.create_task(self._watch_qualifications(caught_up[4])),
         ]
         await asyncio.gather(*(event.wait() for event in caught_up))
         self._tasks += [
             asyncio.create_task(self._watch_jobs()),
-            asyncio.create_task(self._watch_qualifications()),
             asyncio.create_task(self._sweeper()),
-            asyncio.create_task(follow_cordons(self.bus, self.view, self._capacity_changed)),
         ]
         await self.bus.serve(
             "nodus-placer",
@@ -102,6 +108,7 @@ class Placer:
             queue_group="nodus-placer",
         )
         self.queue.start()
+        self._background.spawn(publish_recent_events(self.bus), name="recent events")
         log.info("placer %s ready with %d machines", self.replica, len(self.view.records))
 
     async def stop(self) -> None:
@@ -200,19 +207,16 @@ class Placer:
             if change.value is None:
                 self._capacity_changed()
 
-    async def _watch_qualifications(self) -> None:
+    async def _watch_qualifications(self, caught_up: asyncio.Event) -> None:
         """G21: the pairs `nodus qualify` measured are qualified for their path from now on;
         one that failed its run is not (and a later failure takes the pair back)."""
         measured: dict[str, Qualification] = {}
-        async for change in self.qualifications.watch():
+        async for change in self.qualifications.watch(caught_up=caught_up):
             if change.value is None:
                 measured.pop(change.key, None)
             else:
                 measured[change.key] = change.value
-            self.planner.measured = {}
-            for record in measured.values():
-                if record.ok:
-                    self.planner.measured.setdefault(record.path, set()).add(record.pair)
+            self.planner.measured = qualified_pairs(measured.values())
             self._feasible_cache.clear()
             self._capacity_changed()
 

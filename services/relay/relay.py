@@ -16,7 +16,7 @@ from typing import Any
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
-from libs.contracts.bounds import derive
+from libs.contracts.bounds import derive, destination_queue_bytes
 from libs.contracts.jobs import PathClass
 from libs.contracts.relay import CAPABILITY_USAGE_TOTALS, RelayRecord
 from libs.relayproto import (
@@ -61,10 +61,6 @@ from services.relay.stun import StunServer
 
 log = logging.getLogger("nodus.relay")
 READ_SIZE = 256 * 1024
-# Bytes queued to one member before what else is meant for it is dropped (counted): far more
-# than the senders' links keep in flight to it (libs.tunnel.Link's in-flight cap), so only a
-# member that stopped reading ever reaches it, and it costs nobody else anything.
-DESTINATION_LIMIT = 32 << 20
 
 
 @dataclass
@@ -79,9 +75,14 @@ class MemberSession:
     # Frames routed to this member during the read being handled, written at its end.
     outbox: list[bytes] = field(default_factory=list)
     outbox_bytes: int = 0
+    # Bytes queued to this member before what else is meant for it is dropped (counted): more
+    # than the other members' links keep in flight to it (C3, from the gang's size), so only a
+    # member that stopped reading reaches it, and it costs nobody else anything.
+    queue_limit: int = 0
 
     def __post_init__(self) -> None:
         self.bytes_out = BYTES.labels(self.identity.gang, self.identity.node, "out")
+        self.queue_limit = destination_queue_bytes(self.identity.members)
 
 
 class Relay:
@@ -331,7 +332,7 @@ class Relay:
                 continue
             frames, size = local.outbox, local.outbox_bytes
             local.outbox, local.outbox_bytes = [], 0
-            offered = local.conn.offer_all(frames, DESTINATION_LIMIT)
+            offered = local.conn.offer_all(frames, local.queue_limit)
             if offered is Offered.SENT:
                 local.bytes_out.inc(size)
             else:

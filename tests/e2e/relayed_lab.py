@@ -32,6 +32,7 @@ from libs.client.client import Client
 from libs.contracts import names
 from libs.contracts.jobs import Job, Phase
 from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest
+from libs.jobs.billing import usage_by_member
 from tests.factories import job
 from tests.netshim.support import clean_env
 
@@ -40,13 +41,15 @@ T = TypeVar("T")
 L4 = {"count": 1, "backend": "cuda", "model": "L4"}
 
 
-def fleet(prefix: str, first: int) -> dict[str, Any]:
+def fleet(prefix: str, first: int, members: int = 2) -> dict[str, Any]:
     """A container (no network device) and a VM in one region class: an Auto gang of the two
-    is Relayed. Addresses 127.0.1.<first> and 127.0.1.<first + 1>."""
+    is Relayed. Addresses 127.0.1.<first> and 127.0.1.<first + 1>. With more `members`,
+    containers and VMs alternate (`<prefix>-vast`, `<prefix>-lam`, `<prefix>-vast2`, ...)."""
     machines = []
-    for offset, (name, provider, offering) in enumerate(
-        ((f"{prefix}-vast", "vast", "container"), (f"{prefix}-lam", "lambda", "vm"))
-    ):
+    kinds = [("vast", "vast", "container"), ("lam", "lambda", "vm")]
+    for offset in range(members):
+        short, provider, offering = kinds[offset % 2]
+        name = f"{prefix}-{short}" + (str(offset // 2 + 1) if offset >= 2 else "")
         machines.append(
             {
                 "name": name,
@@ -247,8 +250,9 @@ async def start_lab(
     env: dict[str, str] | None = None,
     until: Callable[[Job], bool] = lambda j: j.status.phase is Phase.RUNNING,
     timeout: float = 120.0,
+    members: int = 2,
 ) -> Lab:
-    """Start `system`, apply a 2-member Auto job (Relayed on this fleet), and return once
+    """Start `system`, apply a `members`-member Auto job (Relayed on this fleet), return once
     `until` holds (by default: Running, its probe done) and both tunnels are up. The caller
     stops the system (also when this raises)."""
     lab = Lab(system, job_name)
@@ -262,7 +266,7 @@ async def start_lab(
                 command=command,
                 env=env or {},
                 accelerators={"model": "L4"},
-                distributed={"members": 2, "transport": "Auto"},
+                distributed={"members": members, "transport": "Auto"},
             )
         )
         deadline = time.monotonic() + timeout
@@ -299,6 +303,12 @@ async def start_lab(
     finally:
         await client.close()
     return lab
+
+
+async def billed(client: Client) -> dict[str, int]:
+    """What each member is billed now, from the usage stream (libs/jobs/billing.py)."""
+    records = await client.usage_records()
+    return {node: usage.billed for (_, _, node), usage in usage_by_member(records).items()}
 
 
 # -- servers on a member's address -----------------------------------------------------------

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -28,6 +27,7 @@ from libs.client.client import Client
 from libs.contracts.jobs import ConditionType, Job, Phase
 from tests.e2e.daemon_logs import DaemonLogs
 from tests.e2e.netns_lab import lab_system
+from tests.e2e.nodus_cli import nodus
 from tests.factories import job
 from tests.integration.lab_programs import seen_by
 
@@ -290,26 +290,11 @@ def test_nodus_qualify_measures_a_pair_and_records_it(
     """G21: `nodus qualify` runs the probe and the example all-reduce on a pair of machines
     of the types asked for, on that path, and `nodus get qualifications` shows the run."""
     daemon_logs.watch(system.state_dir / "logs")
-    nodus = str(Path(sys.executable).parent / "nodus")
     bus = ["--nats", system.url]
-    done = subprocess.run(
-        [
-            nodus,
-            "qualify",
-            "--path",
-            "direct",
-            "--offerings",
-            "lambda/vm+crusoe/vm",
-            "--mib",
-            "8",
-            "-o",
-            "json",
-            *bus,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
+    done = nodus(
+        "qualify",
+        *("--path", "direct", "--offerings", "lambda/vm+crusoe/vm", "--mib", "8", "-o", "json"),
+        *bus,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads(done.stdout)
@@ -317,8 +302,6 @@ def test_nodus_qualify_measures_a_pair_and_records_it(
     assert record["pair"] == "crusoe/vm+lambda/vm"
     assert sorted(record["machines"]) == sorted(name for name, *_ in MACHINES)
     assert record["tcpGbps"] > 0 and record["rttMs"] > 0 and record["allreduceBusGbps"] > 0
-    shown = subprocess.run(
-        [nodus, "get", "qualifications", *bus], capture_output=True, text=True, timeout=30
-    )
+    shown = nodus("get", "qualifications", *bus, timeout=30)
     assert shown.returncode == 0, shown.stderr
     assert "crusoe/vm+lambda/vm" in shown.stdout and "yes" in shown.stdout, shown.stdout

@@ -21,7 +21,7 @@ from libs.client.client import Client
 from libs.contracts import names
 from libs.contracts.jobs import Phase
 from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest
-from libs.jobs.billing import usage_by_member
+from tests.e2e.relayed_lab import billed
 from tests.factories import job
 from tests.socks_client import socks_connect
 
@@ -69,12 +69,6 @@ FLEET = {
         },
     ]
 }
-
-
-async def billed(client: Client) -> dict[str, int]:
-    """What each member of the gang is billed now, from the usage stream (libs/jobs/billing)."""
-    records = await client.usage_records()
-    return {node: usage.billed for (_, _, node), usage in usage_by_member(records).items()}
 
 
 async def joined(client: Client, node: str) -> JoinedEpochsReply:

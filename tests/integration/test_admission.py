@@ -94,7 +94,7 @@ CASES: list[tuple[str, dict[str, Any], str, ErrorCode, str]] = [
         {"accelerators": {"model": "L4"}, "distributed": {"members": 3, "transport": "Auto"}},
         "acme",
         ErrorCode.RELAYED_MEMBERS,
-        "at most 2 members",
+        "nodus qualify --path relayed --members 3",
     ),
     (
         "c5-backend-vars",

@@ -10,7 +10,7 @@ from datetime import timedelta
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
-from libs.contracts.bounds import stream_window
+from libs.contracts.bounds import link_inflight, stream_window
 from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.relay import CAPABILITY_USAGE_TOTALS, RELAYS_PER_MEMBER, Member, RelayRecord
@@ -84,6 +84,7 @@ class RelayedMember:
             [(r.name, r.address) for r in picked],
             window,
             totals={r.name for r in picked if CAPABILITY_USAGE_TOTALS in r.capabilities},
+            inflight=link_inflight(bounds),
         )
         ready = asyncio.Event()
         self._tasks = [asyncio.create_task(self._watch_peers(ready))]

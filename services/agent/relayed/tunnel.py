@@ -20,7 +20,7 @@ from collections.abc import Collection, Coroutine
 
 from prometheus_client import Counter
 
-from libs.contracts.bounds import STREAM_WINDOW_BYTES
+from libs.contracts.bounds import LINK_MAX_INFLIGHT_BYTES, STREAM_WINDOW_BYTES
 from libs.relayproto.client import RelayClient
 from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.socks5 import ReplyCode
@@ -79,11 +79,13 @@ class Tunnel:
         relays: list[tuple[str, str]],
         window: int = STREAM_WINDOW_BYTES,
         totals: Collection[str] = (),
+        inflight: int = LINK_MAX_INFLIGHT_BYTES,
     ) -> None:
         """`relays`: (name, host:port), home first; `totals`: those that take `Sent`."""
         self.node, self.gang, self.epoch, self.address = node, gang, epoch, address
         self.device = device
         self.window = window
+        self.inflight = inflight  # each link's cap on what it keeps unacknowledged (C3)
         self.peers_by_key: dict[bytes, Peer] = {}
         self.peers_by_address: dict[str, Peer] = {}
         self.sockets = LocalSockets(node, window, self._schedule_flush, self._background)
@@ -123,7 +125,7 @@ class Tunnel:
         if key in self.peers_by_key or key == self.device.public_key:
             return
         side = 0 if self.device.public_key < key else 1
-        peer = Peer(node, address, key, Link(side, window=self.window))
+        peer = Peer(node, address, key, Link(side, window=self.window, max_inflight=self.inflight))
         self.peers_by_key[key] = peer
         self.peers_by_address[address] = peer
         self.device.add_peer(key)
