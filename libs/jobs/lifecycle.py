@@ -60,7 +60,11 @@ class Step:
         if self.event is not None:  # written with the status it records (LastEvent)
             last = self.status.last_event
             seq = last.seq + 1 if last is not None else 1
-            self.status.last_event = LastEvent(self.event, self.message, now(), seq)
+            # A copy: a transition may hand back the status it was given (deleted), which
+            # its caller still holds.
+            recorded = LastEvent(self.event, self.message, now(), seq)
+            status = msgspec.structs.replace(self.status, last_event=recorded)
+            object.__setattr__(self, "status", status)
 
 
 @dataclass(frozen=True, slots=True)

@@ -166,3 +166,13 @@ def test_the_docs_show_the_lifecycle_as_it_is() -> None:
     shown = re.search(r"```mermaid\n(stateDiagram-v2\n.*?)```", text, re.S)
     assert shown is not None, "docs/architecture.md has no job state diagram"
     assert shown.group(1) == lifecycle.mermaid()
+
+
+def test_a_step_records_its_event_with_the_status_and_leaves_the_given_status_alone() -> None:
+    given = lifecycle.admitted(datetime(2026, 12, 4, tzinfo=UTC), "placer-0").status
+    first = given.last_event
+    assert first is not None and (first.kind, first.seq) == ("admitted", 1)
+    step = lifecycle.deleted(given)
+    assert step.status.last_event is not None
+    assert (step.status.last_event.kind, step.status.last_event.seq) == ("deleted", 2)
+    assert given.last_event is first  # the caller's record is not changed under it
