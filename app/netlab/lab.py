@@ -1,8 +1,9 @@
 """Build a `Topology` on this host and take it down again, however the last run ended.
 
-What the lab made is written to a state file before it is made, so a run that crashed (or
-was SIGKILLed) is cleaned at the next start: its processes killed, its namespaces and the
-host's link deleted. Needs root and iproute2; NAT routers need nftables.
+What the lab made is written to a state file before it is made, and to this machine's register
+of labs (/run/nodus/labs, gone with the namespaces at a reboot), so a run that crashed (or was
+SIGKILLed) is cleaned when the next lab starts, whatever its prefix: its processes killed, its
+namespaces and the host's link deleted. Needs root and iproute2; NAT routers need nftables.
 """
 
 from __future__ import annotations
@@ -74,19 +75,22 @@ def _alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
-def _routed_core() -> bool:
+def _core_route_device() -> str | None:
+    """The device through which this host routes the lab's core, or None if it does not."""
     done = subprocess.run(
-        ["ip", "route", "show", str(CORE)],
+        ["ip", "-o", "route", "show", str(CORE)],
         capture_output=True,
         text=True,
         timeout=COMMAND_TIMEOUT,
         check=False,
     )
-    return bool(done.stdout.strip())
+    words = done.stdout.split()
+    if not words:
+        return None
+    return words[words.index("dev") + 1] if "dev" in words[:-1] else "?"
 
 
-def _kill_processes_in(namespace: str) -> None:
-    """SIGKILL what still runs in `namespace` (a crashed run's agents and programs)."""
+def _pids_in(namespace: str) -> list[int]:
     done = subprocess.run(
         ["ip", "netns", "pids", namespace],
         capture_output=True,
@@ -94,14 +98,87 @@ def _kill_processes_in(namespace: str) -> None:
         timeout=COMMAND_TIMEOUT,
         check=False,
     )
-    for pid in done.stdout.split():
+    return [int(pid) for pid in done.stdout.split() if pid.isdigit()]
+
+
+def _kill_processes_in(namespace: str) -> None:
+    """SIGKILL what still runs in `namespace` (a crashed run's agents and programs)."""
+    for pid in _pids_in(namespace):
         try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
 
 
 RUN_DIR = Path("/run/nodus")
+REGISTER = RUN_DIR / "labs"
+
+
+def _records() -> list[Path]:
+    """Every lab this machine recorded: the register, and the default state files."""
+    return sorted(REGISTER.glob("*.json")) + sorted(RUN_DIR.glob("netlab-*.json"))
+
+
+def clean_abandoned() -> list[str]:
+    """Clean every recorded lab whose process has ended (a run that crashed or was killed, of
+    any prefix); the prefixes cleaned."""
+    cleaned = []
+    for record in _records():
+        owner = _owner(record)
+        if owner is not None and (owner == os.getpid() or _alive(owner)):
+            continue
+        log.warning("network lab: cleaning the lab of %s, whose process has ended", record)
+        clean_leftovers(record)
+        cleaned.append(record.stem.removeprefix("netlab-"))
+    return cleaned
+
+
+def _unrecorded_lab(device: str) -> tuple[list[str], list[int]]:
+    """The namespaces of a lab whose host link is `device` but that no record names (made by a
+    version before the register), and the processes that run in them."""
+    prefix = device.removesuffix("host")
+    if prefix == device or not prefix:
+        return [], []
+    namespaces = sorted(n for n in _existing_namespaces() if n.startswith(prefix))
+    return namespaces, [pid for namespace in namespaces for pid in _pids_in(namespace)]
+
+
+def _claim_core_route() -> None:
+    """Make sure this host does not route the core yet: a lab whose process ended is cleaned;
+    a live one, or one that is not a lab's, is a conflict that says what holds the route."""
+    device = _core_route_device()
+    if device is None:
+        return
+    for record in _records():
+        try:
+            owned = json.loads(record.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(owned, dict) and owned.get("host_link") == device:
+            raise NodusError(
+                ErrorCode.CONFLICT,
+                f"network lab: this host routes {CORE} through {device} already, for the lab of "
+                f"process {owned.get('pid')} ({record}): stop it first (two labs cannot share "
+                "the host's route)",
+            )
+    namespaces, pids = _unrecorded_lab(device)
+    if namespaces and not pids:
+        log.warning("network lab: removing an unrecorded, idle lab: %s", ", ".join(namespaces))
+        clean_leftovers_of(namespaces, device)
+        if _core_route_device() is None:
+            return
+    raise NodusError(
+        ErrorCode.CONFLICT,
+        f"network lab: this host routes {CORE} through {device} already, and no lab this "
+        "machine recorded holds it"
+        + (
+            f" (namespaces {', '.join(namespaces)}, processes {', '.join(map(str, pids))} "
+            "still run there)"
+            if namespaces
+            else ""
+        )
+        + f": remove it (`ip link del {device}`) or stop what made it",
+    )
 
 
 class NetLab:
@@ -127,6 +204,7 @@ class NetLab:
                 f"{self.state}); stop it first",
             )
         clean_leftovers(self.state)
+        clean_abandoned()
         t = self.topology
         clashing = sorted(set(t.namespaces) & _existing_namespaces())
         if clashing:
@@ -135,12 +213,8 @@ class NetLab:
                 f"network lab: namespaces {', '.join(clashing)} exist and are not this lab's "
                 "(another lab running, or made by hand); delete them with `ip netns del`",
             )
-        if t.host_link is not None and _routed_core():
-            raise NodusError(
-                ErrorCode.CONFLICT,
-                f"network lab: this host routes {CORE} already: another lab that the host "
-                "reaches is up (stop it first; two cannot share the host's route)",
-            )
+        if t.host_link is not None:
+            _claim_core_route()
         self._remember()
         try:
             for namespace in t.namespaces:
@@ -158,18 +232,26 @@ class NetLab:
         log.info("network lab up: %d namespaces", len(t.namespaces))
 
     def _remember(self) -> None:
-        self.state.parent.mkdir(parents=True, exist_ok=True)
-        record = {
-            "pid": os.getpid(),
-            "namespaces": self.topology.namespaces,
-            "host_link": self.topology.host_link,
-        }
-        self.state.write_text(json.dumps(record))
+        record = json.dumps(
+            {
+                "pid": os.getpid(),
+                "namespaces": self.topology.namespaces,
+                "host_link": self.topology.host_link,
+            }
+        )
+        for path in {self.state, self.registered}:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(record)
+
+    @property
+    def registered(self) -> Path:
+        return REGISTER / f"{self.topology.prefix.rstrip('-')}.json"
 
     # -- down --------------------------------------------------------------------------------
 
     def destroy(self) -> None:
         clean_leftovers(self.state)
+        self.registered.unlink(missing_ok=True)
 
     # -- running programs inside ---------------------------------------------------------------
 
@@ -203,6 +285,13 @@ def clean_leftovers(state: Path) -> None:
         state.unlink(missing_ok=True)
         return
     namespaces = [n for n in record.get("namespaces", []) if isinstance(n, str)]
+    host_link = record.get("host_link")
+    clean_leftovers_of(namespaces, host_link if isinstance(host_link, str) else None)
+    state.unlink(missing_ok=True)
+
+
+def clean_leftovers_of(namespaces: list[str], host_link: str | None) -> None:
+    """Kill what runs in `namespaces`, delete them and the host's link."""
     existing = _existing_namespaces()
     for namespace in namespaces:
         if namespace in existing:
@@ -221,12 +310,10 @@ def clean_leftovers(state: Path) -> None:
                 time.sleep(0.05 * (attempt + 1))
             else:
                 log.warning("network lab: could not delete namespace %s", namespace)
-    host_link = record.get("host_link")
-    if isinstance(host_link, str):  # gone with its peer, unless the control namespace was not made
+    if host_link is not None:  # gone with its peer, unless the control namespace was not made
         subprocess.run(
             ["ip", "link", "del", host_link],
             capture_output=True,
             timeout=COMMAND_TIMEOUT,
             check=False,
         )
-    state.unlink(missing_ok=True)

@@ -6,14 +6,16 @@ and from the host, and everything the lab made is gone after it stops (or crashe
 from __future__ import annotations
 
 import secrets
+import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from app.netlab import CONTROL_ADDRESS, NetLab, in_namespace, missing_requirements, plan
-from app.netlab.lab import _existing_namespaces
+from app.netlab.lab import REGISTER, _existing_namespaces, clean_abandoned
 from libs.contracts.base import convert
 from libs.contracts.errors import NodusError
 from libs.contracts.fleet import Fleet
@@ -143,6 +145,73 @@ def test_a_crashed_lab_is_cleaned_at_the_next_start_and_nothing_is_left_after_it
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
     assert topology.host_link is not None and topology.host_link not in links
     assert not state.exists()
+
+
+LAB_IN_A_PROCESS = """
+import sys, time
+from pathlib import Path
+from app.netlab import NetLab, plan
+from tests.integration.test_netlab import FLEET
+NetLab(plan(FLEET, prefix=sys.argv[1]), Path(sys.argv[2])).create()
+print("up", flush=True)
+time.sleep(120)
+"""
+
+
+def _lab_in_a_process(prefix: str, state: Path) -> subprocess.Popen[str]:
+    """A lab reachable from the host, made and held by a process of its own (another run)."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", LAB_IN_A_PROCESS, prefix, str(state)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None and process.stdout.readline().strip() == "up"
+    return process
+
+
+def _links() -> str:
+    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "by-an-older-version"])
+def test_a_lab_whose_run_was_killed_is_cleaned_by_the_next_lab_of_any_prefix(
+    tmp_path: Path, recorded: bool
+) -> None:
+    """A run killed with its lab up (a CI job stopped at its deadline) must not hold the host's
+    route for the next run, whose labs have prefixes and state files of their own."""
+    old_prefix = f"nk{secrets.token_hex(2)}-"
+    old = plan(FLEET, prefix=old_prefix)
+    holder = _lab_in_a_process(old_prefix, tmp_path / "old.json")
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=5)
+    if not recorded:  # a version before the register wrote only its own state file
+        (REGISTER / f"{old_prefix.rstrip('-')}.json").unlink()
+        (tmp_path / "old.json").unlink()
+    assert set(old.namespaces) <= _existing_namespaces()
+    new = NetLab(plan(FLEET, prefix=f"nt{secrets.token_hex(2)}-"), tmp_path / "new.json")
+    new.create()
+    try:
+        assert not set(old.namespaces) & _existing_namespaces()
+        assert old.host_link is not None and old.host_link not in _links()
+        assert set(new.topology.namespaces) <= _existing_namespaces()
+    finally:
+        new.destroy()
+    assert not (REGISTER / f"{new.topology.prefix.rstrip('-')}.json").exists()
+
+
+def test_a_running_lab_s_route_is_refused_with_the_process_that_holds_it(tmp_path: Path) -> None:
+    held_prefix = f"nl{secrets.token_hex(2)}-"
+    holder = _lab_in_a_process(held_prefix, tmp_path / "held.json")
+    try:
+        other = NetLab(plan(FLEET, prefix=f"nt{secrets.token_hex(2)}-"), tmp_path / "other.json")
+        with pytest.raises(NodusError, match=rf"for the lab of process {holder.pid} "):
+            other.create()
+        assert not set(other.topology.namespaces) & _existing_namespaces()
+    finally:
+        holder.terminate()
+        holder.wait(timeout=5)
+    assert held_prefix.rstrip("-") in clean_abandoned()
+    assert not set(plan(FLEET, prefix=held_prefix).namespaces) & _existing_namespaces()
 
 
 def test_a_fleet_the_lab_cannot_build_is_refused_with_what_to_change() -> None:
