@@ -6,9 +6,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
-from app.cli import bus, daemons, jobs, qualify, repair, system
+from app.cli import daemons
 from app.cli.common import Command, Kind, client_flags, output_flag, run_async
 
 GET_FORMATS = "json|yaml|jsonpath=... (default, or wide: a table; YAML for ranktables)"
@@ -41,6 +42,8 @@ def kinds_command(name: str, help: str, kinds: Sequence[Kind], get: bool) -> Com
 
 def commands() -> list[Command]:
     """Every command, in the order `nodus --help` lists them."""
+    from app.cli import bus, jobs, qualify, repair, system
+
     get = kinds_command(
         "get",
         "list jobs or nodes, or show one job",
@@ -81,6 +84,9 @@ def build_parser(every: Sequence[Command] | None = None) -> argparse.ArgumentPar
 
 
 def main(argv: list[str] | None = None) -> int:
-    every = commands()
-    args = build_parser(every).parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    # A daemon's command alone: it starts on every machine, and imports only its service.
+    daemon = daemons.BY_NAME.get(given[0]) if given else None
+    every = [daemon] if daemon is not None else commands()
+    args = build_parser(every).parse_args(given)
     return next(c for c in every if c.name == args.command).run(args)
