@@ -117,6 +117,7 @@ class Fleet:
             {n: MachinePaths.under(self.machine_dir(n)) for n in self.agents},
             reachability=True,
             probe_timeout=0.5,
+            unreachable_seconds=1.0,
             blackholes={n: self.machine_dir(n) / faults.BLACKHOLE for n in self.agents},
         )
         await self.monitor.follow_health()

@@ -77,6 +77,7 @@ class Monitor:
         reachability: bool = True,
         probe_timeout: float = 1.0,
         unreachable_after: int = 3,
+        unreachable_seconds: float = HEARTBEAT_TIMEOUT_SECONDS,
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT_SECONDS,
         blackholes: dict[str, Path] | None = None,
         clock: Callable[[], datetime] = utc_now,
@@ -102,7 +103,10 @@ class Monitor:
         self._overrunning: set[tuple[str, str]] = set()
         self.probes = {
             node: Reachability(
-                node, names.node_request(node, names.AgentVerb.INFO), unreachable_after
+                node,
+                names.node_request(node, names.AgentVerb.INFO),
+                unreachable_after,
+                timedelta(seconds=unreachable_seconds),
             )
             for node in machines
         }
@@ -355,6 +359,14 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         "--no-reachability", action="store_true", help="do not probe host reachability"
     )
     parser.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_SECONDS)
+    parser.add_argument(
+        "--unreachable-seconds",
+        type=float,
+        default=HEARTBEAT_TIMEOUT_SECONDS,
+        help="a machine is unreachable once its agent has not answered for this long (an "
+        "agent that restarts or is upgraded is silent for seconds; default: the heartbeat "
+        "timeout, as long as the placer waits before it calls a member lost)",
+    )
 
 
 def machines_of(
@@ -405,6 +417,7 @@ async def _body(
         keepalive=args.keepalive,
         reachability=not args.no_reachability,
         heartbeat_timeout=args.heartbeat_timeout,
+        unreachable_seconds=args.unreachable_seconds,
         blackholes=blackholes,
         source_timeout=args.source_timeout,
     )

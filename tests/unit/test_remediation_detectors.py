@@ -291,6 +291,23 @@ def test_reachability_needs_failures_in_a_row() -> None:
     assert probe.findings(T0) == []
 
 
+def test_an_agent_silent_for_a_restart_is_not_an_unreachable_host() -> None:
+    """An agent that restarts (a crash, an upgrade: O4) misses probes for a few seconds; only
+    a silence as long as the heartbeat timeout is a host unreachable (R17 would end the
+    running gang's epoch)."""
+    probe = Reachability("gpu-07", "127.0.1.7", failures=3, silent_for=timedelta(seconds=15))
+    for i in range(5):  # five probes a second apart: a restart on a loaded machine
+        probe.record(False, "no answer", T0 + timedelta(seconds=i))
+    assert probe.findings(T0 + timedelta(seconds=5)) == []
+    probe.record(True, "", T0 + timedelta(seconds=5))  # back: the count starts again
+    for i in range(6, 22):
+        probe.record(False, "no answer", T0 + timedelta(seconds=i))
+    assert probe.findings(T0 + timedelta(seconds=20)) == []
+    found = probe.findings(T0 + timedelta(seconds=21))
+    assert [f.kind for f in found] == [AlertKind.HOST_UNREACHABLE]
+    assert "over 15 s" in found[0].detail
+
+
 def test_not_ready_is_info_only() -> None:
     assert heartbeat("n", T0, timedelta(seconds=15), T0 + timedelta(seconds=5)) == []
     found = heartbeat("n", T0, timedelta(seconds=15), T0 + timedelta(seconds=60))

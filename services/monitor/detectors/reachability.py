@@ -1,5 +1,7 @@
 """Host reachability, seen from the host side (R1): `failures` probes in a row that got no
-answer make a finding; one answer clears it. A stale heartbeat is a different thing (NotReady)
+answer, over at least `silent_for`, make a finding; one answer clears it. The probe asks the
+machine's agent, and an agent that restarts (a crash, an upgrade) is silent for seconds: that
+is not an unreachable host (O4), whose finding ends a running gang's epoch (R17). A stale heartbeat is a different thing (NotReady)
 and never repairs alone (R3); `heartbeat` reports it for display only."""
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ from libs.contracts.remediation import MAX_EVIDENCE_LINES, AlertKind, Evidence, 
 
 
 class Reachability:
-    def __init__(self, node: str, where: str, failures: int = 3) -> None:
+    def __init__(
+        self, node: str, where: str, failures: int = 3, silent_for: timedelta = timedelta(0)
+    ) -> None:
         self.node = node
         self.where = where
         self.failures = failures
+        self.silent_for = silent_for
         self._failed = 0
         self._lines: deque[str] = deque(maxlen=MAX_EVIDENCE_LINES)
         self._since: datetime | None = None
@@ -31,14 +36,17 @@ class Reachability:
         self._lines.append(f"{now:%Y-%m-%dT%H:%M:%S}Z probe failed: {detail[:200]}")
 
     def findings(self, now: datetime) -> list[Finding]:
-        if self._failed < self.failures:
+        if self._failed < self.failures or self._since is None:
+            return []
+        if now - self._since < self.silent_for:
             return []
         return [
             Finding(
                 kind=AlertKind.HOST_UNREACHABLE,
                 subject=self.where,
                 severity="critical",
-                detail=f"{self._failed} probes in a row failed",
+                detail=f"{self._failed} probes in a row failed over "
+                f"{(now - self._since).total_seconds():.0f} s",
                 evidence=Evidence(
                     kind=AlertKind.HOST_UNREACHABLE,
                     source="reachability",
