@@ -42,6 +42,9 @@ REPO = str(Path(__file__).resolve().parents[2])  # where `services.agent.probe` 
 # A Direct member's address is nodus0's: it appears once the agent has made the device,
 # which may be a moment after the runner saw the member join.
 ADDRESS_WAIT = 10.0
+# A Direct pair whose path dropped while it was measured runs its checks again, the relays
+# carrying it meanwhile (services/agent/direct); measured again once it is back within this.
+DIRECT_AGAIN_WAIT = 10.0
 
 
 async def _start_when_address_is_up(server: ProbeServer, wait: float) -> None:
@@ -121,7 +124,42 @@ class GangWork:
 
     async def probe_pair(self, request: ProbePairRequest) -> PairResult:
         """Probe one peer from a separate process with this rank's environment: on the Relayed
-        path its connections go through the shim, SOCKS5 and the relays, as the workload's do."""
+        path its connections go through the shim, SOCKS5 and the relays, as the workload's do.
+
+        A Direct pair that was direct at the sample's start or end but not at both (its path
+        dropped, as a first handshake through a NAT may on a loaded host, and checks ran again)
+        is measured once more when it is direct again; a pair the relays carried at both ends is
+        reported on the relays (G12)."""
+        result, direct_once = await self._probe_pair(request)
+        if (
+            result.ok
+            and result.path != "direct"
+            and direct_once
+            and await self._direct_again(request)
+        ):
+            log.info(
+                "%s-%s was on %s while measured; direct again: measuring again",
+                self.node,
+                request.peer,
+                result.path,
+            )
+            result, _ = await self._probe_pair(request)
+        return result
+
+    async def _direct_again(self, request: ProbePairRequest) -> bool:
+        """Whether the pair is a Direct epoch's and goes peer to peer within DIRECT_AGAIN_WAIT."""
+        epoch, _ = await self._member(request.gang, request.epoch)
+        if epoch.path is not PathClass.DIRECT:
+            return False
+        deadline = asyncio.get_running_loop().time() + DIRECT_AGAIN_WAIT
+        while asyncio.get_running_loop().time() < deadline:
+            if await self.path_of(request.gang, request.epoch, request.peer) == "direct":
+                return True
+            await asyncio.sleep(0.2)
+        return False
+
+    async def _probe_pair(self, request: ProbePairRequest) -> tuple[PairResult, bool]:
+        """The pair's result, and whether its path was direct at the sample's start or end."""
         epoch, member = await self._member(request.gang, request.epoch)
         # The path the bytes take (on Direct, once the pair's checks ended), before and after.
         before = await self.path_of(request.gang, request.epoch, request.peer)
@@ -156,14 +194,15 @@ class GangWork:
             stdout, stderr = await asyncio.wait_for(process.communicate(), timeout)
         except TimeoutError:
             process.kill()
-            return PairResult(a=self.node, b=request.peer, ok=False, error="probe timed out")
+            return PairResult(a=self.node, b=request.peer, ok=False, error="probe timed out"), False
         try:
             result = json.loads(stdout.decode().strip().splitlines()[-1])
         except (ValueError, IndexError):
             detail = stderr.decode(errors="replace").strip()[-400:]
-            return PairResult(
+            crashed = PairResult(
                 a=self.node, b=request.peer, ok=False, error=f"probe crashed: {detail}"
             )
+            return crashed, False
         after = await self.path_of(request.gang, request.epoch, request.peer)
         if epoch.path is PathClass.RELAYED:
             path = after or "derp:unknown"
@@ -171,7 +210,7 @@ class GangWork:
             path = next((p for p in (before, after) if p and p != "direct"), "direct")
         else:
             path = "direct"
-        return PairResult(
+        measured = PairResult(
             a=self.node,
             b=request.peer,
             ok=result["error"] is None,
@@ -182,6 +221,7 @@ class GangWork:
             error=result["error"],
             measured_time=now(),
         )
+        return measured, "direct" in (before, after)
 
     async def shim_check(self, request: ShimCheckRequest) -> ShimCheckReply:
         """G10.3: the image's own launcher (the command's first word) must load the shim."""
