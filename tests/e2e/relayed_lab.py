@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -251,12 +252,14 @@ async def start_lab(
     until: Callable[[Job], bool] = lambda j: j.status.phase is Phase.RUNNING,
     timeout: float = 120.0,
     members: int = 2,
+    started: bool = False,
 ) -> Lab:
-    """Start `system`, apply a `members`-member Auto job (Relayed on this fleet), return once
-    `until` holds (by default: Running, its probe done) and both tunnels are up. The caller
-    stops the system (also when this raises)."""
+    """Start `system` (unless `started`), apply a `members`-member Auto job (Relayed on this
+    fleet), return once `until` holds (by default: Running, its probe done) and every tunnel is
+    up. The caller stops the system (also when this raises)."""
     lab = Lab(system, job_name)
-    await system.start(timeout=90)
+    if not started:
+        await system.start(timeout=90)
     client = await Client.connect(system.url)
     try:
         await client.apply(
@@ -432,3 +435,48 @@ def start_server(command: Sequence[str], log: Path, port: int) -> Popened:
         server.stop()
         raise
     return server
+
+
+def ring_iperf3(lab: Lab, seconds: float, logs: Path) -> list[dict[str, Any]]:
+    """Every member sends to the next at once for `seconds` (iperf3 through the shim, servers
+    on the next member's address); each client's `end` report, by rank."""
+    count = len(lab.members)
+    servers: list[Popened] = []
+    clients: list[subprocess.Popen[str]] = []
+    try:
+        for member in lab.members:
+            nxt = lab.members[(member.rank + 1) % count]
+            port = free_port_on(nxt.address)
+            command = ["iperf3", "-s", "-1", "-B", nxt.address, "-p", str(port)]
+            servers.append(start_server(command, logs / f"iperf3-{nxt.rank}.log", port))
+            command = ["iperf3", "-c", nxt.address, "-p", str(port), "-t", f"{seconds:g}"]
+            clients.append(
+                subprocess.Popen(
+                    [*command, "--connect-timeout", "5000", "--json"],
+                    env=program_env(member.env),
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        reports = []
+        for client in clients:
+            out, err = client.communicate(timeout=seconds + 60)
+            assert client.returncode == 0, (out[-2000:], err[-2000:])
+            reports.append(json.loads(out)["end"])
+        return reports
+    finally:
+        for client in clients:
+            if client.poll() is None:
+                client.kill()
+                client.wait()
+        for server in servers:
+            server.stop()
+
+
+def free_port_on(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
