@@ -95,11 +95,13 @@ class Chaos(ChaosChecks):
         kinds: tuple[str, ...] = KINDS + PAIRS,
         repair: bool = True,
         defect: str | None = None,
+        min_jobs: int = MIN_JOBS,
     ) -> None:
         """Each kind of `kinds` twice, each pair once, in an order the seed draws; `faults`
-        cuts the schedule short. `kinds`, `repair` (a repair in flight) and `defect` (a daemon
-        of a broken build, tests/chaos/broken.py) make the short runs of the harness's own
-        tests."""
+        cuts the schedule short. `kinds`, `repair` (a repair in flight), `defect` (a daemon
+        of a broken build, tests/chaos/broken.py) and fewer jobs (`min_jobs`) make the short
+        runs of the harness's own tests."""
+        self.min_jobs = min_jobs
         self.state = state
         self.kinds = kinds
         self.repair = repair
@@ -118,7 +120,7 @@ class Chaos(ChaosChecks):
         self.relayed: list[float] = []
         self.restored: list[tuple[FaultRecord, float]] = []  # each fault, when it ended
         self._alert_probes = 0
-        self._enough_jobs = asyncio.Event()  # MIN_JOBS applies tried, refused ones included
+        self._enough_jobs = asyncio.Event()  # min_jobs applies tried, refused ones included
         self._placed: dict[str, datetime] = {}
         self.events: dict[str, bytes] = {}  # Nats-Msg-Id -> data, as a client saw them
         self.fenced_seen: set[str] = set()
@@ -220,7 +222,7 @@ class Chaos(ChaosChecks):
                     f"apply chaos-{index} refused or timed out: {type(error).__name__}: {error}"
                 )
             index += 1
-            if index >= MIN_JOBS:
+            if index >= self.min_jobs:
                 self._enough_jobs.set()
             await asyncio.sleep(4.0)
 

@@ -15,18 +15,26 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("defect", "kinds", "faults", "violation"),
+    ("defect", "kinds", "faults", "jobs", "violation"),
     [
-        ("runner-fails-all", ("agent",), 1, "ended Failed"),
-        ("placer-refuses-every-third", ("agent", "nats"), 2, "refused or timed out"),
-        ("relay-never-restarts", ("relay",), 1, "did not come back after its restart"),
+        ("runner-fails-all", ("agent",), 1, 3, "ended Failed"),
+        # Each of the two placers refuses its own third apply: six applies show it.
+        ("placer-refuses-every-third", ("agent", "nats"), 2, 6, "refused or timed out"),
+        ("relay-never-restarts", ("relay",), 1, 3, "did not come back after its restart"),
     ],
 )
 async def test_a_broken_build_fails_the_chaos_run_with_its_violation_named(
-    tmp_path: Path, defect: str, kinds: tuple[str, ...], faults: int, violation: str
+    tmp_path: Path, defect: str, kinds: tuple[str, ...], faults: int, jobs: int, violation: str
 ) -> None:
     chaos = Chaos(
-        tmp_path / "state", 1, faults=faults, netns=False, kinds=kinds, repair=False, defect=defect
+        tmp_path / "state",
+        1,
+        faults=faults,
+        netns=False,
+        kinds=kinds,
+        repair=False,
+        defect=defect,
+        min_jobs=jobs,
     )
     try:
         report = await chaos.run()
