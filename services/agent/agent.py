@@ -157,6 +157,7 @@ class Agent:
             self.epochs.path_of,
             self.membership.joined_epoch,
             scratch_dir=state / "scratch" if state_dir else None,
+            address_never_up=self.epochs.address_never_up,
         )
         # Repairs that reach the real machine (R18): in-band reboot (off unless enabled) and
         # the agent's part of revalidation.

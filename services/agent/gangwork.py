@@ -68,7 +68,9 @@ class GangWork:
         path_of: Callable[[str, int, str], Awaitable[str | None]],
         joined_epoch: Callable[[str, int], Epoch],
         scratch_dir: Path | None = None,
+        address_never_up: Callable[[str, int], str | None] = lambda gang, epoch: None,
     ) -> None:
+        self.address_never_up = address_never_up  # why an epoch's address cannot come up here
         self.bus = bus
         # The machine's local disk for ranks (NODUS_SCRATCH_DIR): kept by a reboot, lost to a
         # reprovision or a migration, as a VM's local disk is.
@@ -110,6 +112,13 @@ class GangWork:
         _, member = await self._member(request.gang, request.epoch)
         key = (request.gang, request.epoch)
         if key not in self.servers:
+            never = self.address_never_up(request.gang, request.epoch)
+            if never is not None:
+                raise NodusError(
+                    ErrorCode.ADDRESS_UNAVAILABLE,
+                    f"{self.node} cannot listen on its advertised address {member.address}: "
+                    f"{never}",
+                )
             server = ProbeServer(member.address)
             try:
                 await _start_when_address_is_up(server, ADDRESS_WAIT)

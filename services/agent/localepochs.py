@@ -155,6 +155,17 @@ class LocalEpochs:
             log.warning("%s epoch %d: no path to %s: %s", gang, epoch, peer, error)
             return None
 
+    def address_never_up(self, gang: str, epoch: int) -> str | None:
+        """Why the member's address of a Direct epoch can never come up here (it lives on
+        `nodus0`, and this machine makes none), or None: the probe then fails at once instead
+        of waiting for the address."""
+        local = next((e for e in self.local.values() if (e.gang, e.epoch) == (gang, epoch)), None)
+        if local is None or local.state.epoch.path is not PathClass.DIRECT:
+            return None
+        if self.host.nodus0:
+            return None
+        return f"{self.host.node} makes no nodus0 for a Direct epoch (its agent runs without one)"
+
     def inline(self, kind: str) -> dict[str, object]:
         """The dataplanes of `kind` that run in this process and are up (tests look inside)."""
         found: dict[str, object] = {}
