@@ -15,8 +15,8 @@ import pytest
 
 from tests.bench.as_user import run_bench
 
-FLAGS = ["--members", "8", "--qualify", "--seconds", "8", "--failover", "8"]
-FLAGS += ["--failover-seconds", "6"]
+FLAGS = ["--members", "8", "--qualify", "--seconds", "6", "--failover", "8"]
+FLAGS += ["--failover-seconds", "5", "--sample-seconds", "1"]
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -131,13 +132,24 @@ def test_torchrun_gloo_allreduces_over_nodus0(system: LocalSystem, daemon_logs: 
         print(f"rank {rank}: {verified[-1]}")
 
 
+def until_released(marker: Path, most: float) -> list[str]:
+    """A rank's command that runs until the test creates `marker` (the machines share this
+    host's files), at most `most` seconds: the job lasts as long as the test needs it."""
+    wait = (
+        "import os, sys, time; end = time.monotonic() + float(sys.argv[2])\n"
+        "while not os.path.exists(sys.argv[1]) and time.monotonic() < end: time.sleep(0.2)"
+    )
+    return [sys.executable, "-c", wait, str(marker), f"{most:g}"]
+
+
 def test_udp_cut_sets_network_degraded_and_restoring_clears_it(
-    system: LocalSystem, daemon_logs: DaemonLogs
+    system: LocalSystem, daemon_logs: DaemonLogs, tmp_path: Path
 ) -> None:
     daemon_logs.watch(system.state_dir / "logs")
+    released = tmp_path / "released"
     spec = job(
         "steady",
-        command=[sys.executable, "-c", "import time; time.sleep(35)"],
+        command=until_released(released, 90),
         accelerators={"model": "L4"},
         distributed={"members": 2, "transport": "Direct"},
     )
@@ -174,6 +186,7 @@ def test_udp_cut_sets_network_degraded_and_restoring_clears_it(
     )
     cut = time.monotonic()
     back, _ = degraded("False", 40)
+    released.touch()
     ended = _apply_and_wait(system, spec, {Phase.SUCCEEDED, Phase.FAILED}, 60, apply=False)
     assert ended.status.phase is Phase.SUCCEEDED, ended.status.conditions
     print(f"NetworkDegraded True {after:.1f} s after the cut, False {back:.1f} s after the restore")
@@ -237,7 +250,7 @@ def test_udp_blocked_from_the_start_replaces_direct_and_continues_auto_as_relaye
 
 
 def test_private_ports_open_to_the_gang_s_members_only_while_it_runs(
-    system: LocalSystem, daemon_logs: DaemonLogs
+    system: LocalSystem, daemon_logs: DaemonLogs, tmp_path: Path
 ) -> None:
     """G22: while a Private gang runs, a listener on an ephemeral port of a member's private
     address takes the other member's connection and refuses the non-member's on the same
@@ -245,9 +258,10 @@ def test_private_ports_open_to_the_gang_s_members_only_while_it_runs(
     daemon_logs.watch(system.state_dir / "logs")
     assert system.lab is not None
     lab = system.lab
+    released = tmp_path / "released"
     spec = job(
         "on-the-vpc",
-        command=[sys.executable, "-c", "import time; time.sleep(25)"],
+        command=until_released(released, 60),
         accelerators={"model": "A10"},
         distributed={"members": 2, "transport": "Auto"},
     )
@@ -276,6 +290,7 @@ def test_private_ports_open_to_the_gang_s_members_only_while_it_runs(
 
     assert connect(other) == private[other]
     assert connect(outsider) == "refused"
+    released.touch()
     ended = _apply_and_wait(system, spec, {Phase.SUCCEEDED, Phase.FAILED}, 60, apply=False)
     assert ended.status.phase is Phase.SUCCEEDED, ended.status.conditions
     deadline = time.monotonic() + 15
