@@ -36,6 +36,7 @@ from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest
 from libs.jobs.billing import usage_by_member
 from tests.factories import job
 from tests.netshim.support import clean_env
+from tests.netshim.support import free_port as peer_port
 
 T = TypeVar("T")
 
@@ -446,7 +447,7 @@ def ring_iperf3(lab: Lab, seconds: float, logs: Path) -> list[dict[str, Any]]:
     try:
         for member in lab.members:
             nxt = lab.members[(member.rank + 1) % count]
-            port = free_port_on(nxt.address)
+            port = peer_port(nxt.address)
             command = ["iperf3", "-s", "-1", "-B", nxt.address, "-p", str(port)]
             servers.append(start_server(command, logs / f"iperf3-{nxt.rank}.log", port))
             command = ["iperf3", "-c", nxt.address, "-p", str(port), "-t", f"{seconds:g}"]
@@ -473,10 +474,3 @@ def ring_iperf3(lab: Lab, seconds: float, logs: Path) -> list[dict[str, Any]]:
                 client.wait()
         for server in servers:
             server.stop()
-
-
-def free_port_on(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
