@@ -172,9 +172,13 @@ class Bus:
         return Bucket(self._buckets[name], kind, name, self.acks)
 
     async def replay(self, stream: str, subject: str, timeout: float = 30.0) -> list[Msg]:
-        """Every message `stream` holds on `subject`, oldest first. The stream says how many
-        match, and each is read, however long a bus failing over takes to deliver them: a read
-        that stops at the first pause would miss some (bytes unbilled, events unseen)."""
+        """Every message `stream` holds on `subject`, oldest first, each once. The stream says
+        how many match, and each is read, however long a bus failing over takes to deliver
+        them: a read that stops at the first pause would miss some (bytes unbilled, events
+        unseen). An ordered consumer that resets while a server fails over can hand a message
+        twice or pass one by (chaos seed 276742: an event in every replica, missing from the
+        read), so messages are kept by their stream sequence and a read that falls short is
+        made again from the start until every message is in."""
         info = await retrying(
             lambda: self.js.stream_info(stream, subjects_filter=subject),
             f"count {subject}",
@@ -183,29 +187,41 @@ class Bus:
         expected = sum((info.state.subjects or {}).values())
         if not expected:
             return []
-        messages: list[Msg] = []
-        deadline = asyncio.get_running_loop().time() + timeout
-        # The consumer's creation is a JetStream request too: a server failing over may let
-        # it time out, and an ordered consumer is made afresh each try (nothing to double).
-        sub = await retrying(
-            lambda: self.js.subscribe(subject, stream=stream, ordered_consumer=True),
-            f"read {subject}",
-            self.nc,
-        )
-        try:
-            while len(messages) < expected:
-                try:
-                    messages.append(await sub.next_msg(timeout=1.0))
-                except nats.errors.TimeoutError:
-                    if asyncio.get_running_loop().time() > deadline:
-                        raise NodusError(
-                            ErrorCode.TIMEOUT,
-                            f"{stream}: read {len(messages)} of the {expected} messages on "
-                            f"{subject} within {timeout:g} s",
-                        ) from None
-        finally:
-            await sub.unsubscribe()
-        return messages
+        by_sequence: dict[int, Msg] = {}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            # The consumer's creation is a JetStream request too: a server failing over may
+            # let it time out, and an ordered consumer is made afresh each try.
+            sub = await retrying(
+                lambda: self.js.subscribe(subject, stream=stream, ordered_consumer=True),
+                f"read {subject}",
+                self.nc,
+            )
+            try:
+                while len(by_sequence) < expected:
+                    try:
+                        msg = await sub.next_msg(timeout=1.0)
+                    except nats.errors.TimeoutError:
+                        break  # a pause: read again from the start, or give up at the deadline
+                    by_sequence.setdefault(msg.metadata.sequence.stream, msg)
+            finally:
+                await sub.unsubscribe()
+            if len(by_sequence) >= expected:
+                return [by_sequence[seq] for seq in sorted(by_sequence)]
+            if loop.time() > deadline:
+                raise NodusError(
+                    ErrorCode.TIMEOUT,
+                    f"{stream}: read {len(by_sequence)} of the {expected} messages on "
+                    f"{subject} within {timeout:g} s",
+                )
+            log.info(
+                "%s: read %d of the %d messages on %s; reading again",
+                stream,
+                len(by_sequence),
+                expected,
+                subject,
+            )
 
     async def user_info(self, timeout: float = 5.0) -> dict[str, Any]:
         """Who the server says this connection is: its user (public key) and, for a confined
