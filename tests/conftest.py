@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +16,11 @@ from libs.contracts.placer import PlacerConfig
 from services.placer.config import load_config
 from services.placer.service import Placer
 from tests import bus_operator, figures
+
+# A lab waits for the host's route while a lab of another run holds it (a CI machine that runs
+# jobs side by side on one host network), up to 5 minutes, instead of failing at once; the
+# benches run as subprocesses and inherit it.
+os.environ.setdefault("NODUS_LAB_ROUTE_WAIT", "300")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -143,7 +143,39 @@ def _unrecorded_lab(device: str) -> tuple[list[str], list[int]]:
     return namespaces, [pid for namespace in namespaces for pid in _pids_in(namespace)]
 
 
+# Seconds a lab waits for the host's route while another lab holds it (0: refuse at once, as
+# `nodus up` does). Test runs on a shared machine set it: a lab of another run (another
+# container on the same host network) ends, and this one takes the route then.
+ROUTE_WAIT_VARIABLE = "NODUS_LAB_ROUTE_WAIT"
+
+
+def _route_wait() -> float:
+    try:
+        return max(0.0, float(os.environ.get(ROUTE_WAIT_VARIABLE, "0") or 0))
+    except ValueError:
+        raise NodusError(
+            ErrorCode.INVALID,
+            f"{ROUTE_WAIT_VARIABLE}={os.environ[ROUTE_WAIT_VARIABLE]!r}: want seconds",
+        ) from None
+
+
 def _claim_core_route() -> None:
+    """`_claim_core_route_once`, again every second for up to NODUS_LAB_ROUTE_WAIT seconds
+    while another lab holds the route (one whose process ended meanwhile is cleaned)."""
+    deadline = time.monotonic() + _route_wait()
+    while True:
+        try:
+            clean_abandoned()
+            _claim_core_route_once()
+            return
+        except NodusError as refusal:
+            if refusal.code is not ErrorCode.CONFLICT or time.monotonic() >= deadline:
+                raise
+            log.info("network lab: %s; waiting for it", refusal)
+            time.sleep(1.0)
+
+
+def _claim_core_route_once() -> None:
     """Make sure this host does not route the core yet: a lab whose process ended is cleaned;
     a live one, or one that is not a lab's, is a conflict that says what holds the route."""
     device = _core_route_device()

@@ -9,6 +9,8 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -199,7 +201,10 @@ def test_a_lab_whose_run_was_killed_is_cleaned_by_the_next_lab_of_any_prefix(
     assert not (REGISTER / f"{new.topology.prefix.rstrip('-')}.json").exists()
 
 
-def test_a_running_lab_s_route_is_refused_with_the_process_that_holds_it(tmp_path: Path) -> None:
+def test_a_running_lab_s_route_is_refused_with_the_process_that_holds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NODUS_LAB_ROUTE_WAIT", "0")  # as `nodus up` does: refused at once
     held_prefix = f"nl{secrets.token_hex(2)}-"
     holder = _lab_in_a_process(held_prefix, tmp_path / "held.json")
     try:
@@ -212,6 +217,27 @@ def test_a_running_lab_s_route_is_refused_with_the_process_that_holds_it(tmp_pat
         holder.wait(timeout=5)
     assert held_prefix.rstrip("-") in clean_abandoned()
     assert not set(plan(FLEET, prefix=held_prefix).namespaces) & _existing_namespaces()
+
+
+def test_a_lab_waits_for_the_route_while_another_run_s_lab_holds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test run beside another on one host network: the lab waits (NODUS_LAB_ROUTE_WAIT)
+    until the other's lab is gone, then takes the route."""
+    monkeypatch.setenv("NODUS_LAB_ROUTE_WAIT", "30")
+    holder = _lab_in_a_process(f"nw{secrets.token_hex(2)}-", tmp_path / "held.json")
+    ends = threading.Timer(2.0, holder.terminate)  # the other run ends its lab (and dies)
+    ends.start()
+    lab = NetLab(plan(FLEET, prefix=f"nt{secrets.token_hex(2)}-"), tmp_path / "waits.json")
+    try:
+        started = time.monotonic()
+        lab.create()
+        assert time.monotonic() - started >= 1.5  # it waited for the holder to end
+        assert set(lab.topology.namespaces) <= _existing_namespaces()
+    finally:
+        ends.cancel()
+        holder.wait(timeout=10)
+        lab.destroy()
 
 
 def test_a_fleet_the_lab_cannot_build_is_refused_with_what_to_change() -> None:
