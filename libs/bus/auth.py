@@ -132,7 +132,12 @@ def agent_keys(node: str) -> list[Keys]:
             read=(f"{epoch_of_gang}.*.{node}",),
         ),
         Keys(names.BUCKET_PATHS, write=(f"{epoch_of_gang}.{node}",)),
-        Keys(names.BUCKET_RANKS, write=(f"{epoch_of_gang}.*.{node}",)),
+        # Its ranks' records: read back so a launch asked again starts nothing more
+        Keys(
+            names.BUCKET_RANKS,
+            write=(f"{epoch_of_gang}.*.{node}",),
+            read=(f"{epoch_of_gang}.*.{node}",),
+        ),
         Keys(names.BUCKET_RELAYS, read=(">",)),  # addresses and regions: public
     ]
 

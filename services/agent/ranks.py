@@ -73,6 +73,7 @@ class RankRunner:
         self.ranks = ranks
         self.log_dir = log_dir
         self.running: dict[str, Rank] = {}
+        self._launching = asyncio.Lock()
         self.boot_id = ""  # the machine's boot, from `resume`: launched ranks carry it
 
     def log_path(self, gang: str, epoch: int, rank: int) -> Path:
@@ -143,9 +144,18 @@ class RankRunner:
         command: list[str],
         env: dict[str, str],
     ) -> bool:
+        """Start the rank once: a launch asked again (its answer lost on the bus, or asked of
+        the agent after this one on the same machine) finds it running or its record
+        written, and starts nothing; False then."""
         key = names.rank_key(gang, epoch, rank, self.node)
-        if key in self.running:
-            return False  # idempotent: a retried launch starts nothing more
+        async with self._launching:  # a try asked again while the first still writes
+            if key in self.running or await self.ranks.get(key) is not None:
+                return False
+            return await self._start(key, gang, epoch, rank, command, env)
+
+    async def _start(
+        self, key: str, gang: str, epoch: int, rank: int, command: list[str], env: dict[str, str]
+    ) -> bool:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.log_path(gang, epoch, rank)
         process_env = {

@@ -19,7 +19,7 @@ from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.epochs import Epoch
-from libs.contracts.errors import ErrorCode, NodusError
+from libs.contracts.errors import NodusError
 from libs.contracts.jobs import (
     FINISHED_PHASES,
     Job,
@@ -34,6 +34,7 @@ from libs.jobs import lifecycle
 from libs.jobs.lifecycle import FAULT_BROKE_MEMBER
 from libs.jobs.store import advance, restart_gang
 from libs.runtime.tasks import TaskSet
+from services.runner.agents import MemberSilent, ask
 from services.runner.billing import LateUsage
 from services.runner.billing import relay_bytes as billed_relay_bytes
 from services.runner.metrics import DEGRADED, JOBS, RUNS, forget_gang
@@ -45,8 +46,9 @@ PLATFORM_GRACE_SECONDS = 5.0
 log = logging.getLogger("nodus.runner")
 
 CONCLUDE_SWEEP_SECONDS = 5.0
-# A launch that nobody answers for is asked again this long: an agent restarts in seconds.
-LAUNCH_NO_RESPONDER_SECONDS = 15.0
+# One try of a launch: the agent starts a process and records it (a bus write, which rides
+# out a server failing over); one unanswered is asked again (services.runner.agents).
+LAUNCH_ANSWER_SECONDS = 10.0
 USAGE_SETTLE_SECONDS = 2.5  # > the relays' usage flush interval (0.1 s) plus delivery
 
 
@@ -100,19 +102,12 @@ class GangRun:
             for m, r in zip(stored.value.members, launches, strict=True)
             if isinstance(r, BaseException)
         ]
-        unreachable = [
-            node
-            for node, error in failed
-            if isinstance(error, NodusError) and error.code is ErrorCode.NO_RESPONDERS
-        ]
-        if unreachable:
+        silent = [error for _, error in failed if isinstance(error, MemberSilent)]
+        if silent:
             # The platform's loss, not the workload's: the gang is placed again without it.
-            message = (
-                f"{unreachable[0]}: no agent answered the launch for "
-                f"{LAUNCH_NO_RESPONDER_SECONDS:g} s; placing the gang again without it"
-            )
+            message = f"{silent[0]}; placing the gang again without it"
             await restart_gang(
-                self.bus, unreachable[0], gang, epoch, lifecycle.MEMBER_LOST, message
+                self.bus, silent[0].node, gang, epoch, lifecycle.MEMBER_LOST, message
             )
             return
         started = now()
@@ -218,20 +213,12 @@ class GangRun:
             log.info("%s epoch %d: NetworkDegraded=%s: %s", gang, epoch, state, message)
 
     async def _launch(self, node: str, request: LaunchRequest) -> LaunchReply:
-        """Launch one rank; an agent that nobody answers for is asked again for a while: one
-        restarting (an upgrade, a crash) answers within seconds, and nothing reached it. One
-        that never answers is a lost member (see `launch`), not a failed workload."""
-        deadline = asyncio.get_running_loop().time() + LAUNCH_NO_RESPONDER_SECONDS
-        subject = names.node_request(node, names.AgentVerb.LAUNCH)
-        while True:
-            try:
-                return await self.bus.request(subject, request, LaunchReply, 30)
-            except NodusError as error:
-                if error.code is not ErrorCode.NO_RESPONDERS:
-                    raise
-                if asyncio.get_running_loop().time() > deadline:
-                    raise
-                await asyncio.sleep(0.5)
+        """Launch one rank; asked again while unanswered (the agent starts a rank once, so a
+        launch whose answer a failing-over bus lost is answered "already started"); an agent
+        silent past the deadline is a lost member (see `launch`), not a failed workload."""
+        return await ask(
+            self.bus, node, names.AgentVerb.LAUNCH, request, LaunchReply, LAUNCH_ANSWER_SECONDS
+        )
 
     async def _conclude(self, gang: str, epoch: int) -> None:
         job = await self.jobs.get(gang)

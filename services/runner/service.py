@@ -39,8 +39,9 @@ from libs.contracts.lifecycle import (
 )
 from libs.contracts.relay import Member
 from libs.jobs import lifecycle
-from libs.jobs.store import advance, publish_recent_events
+from libs.jobs.store import advance, publish_recent_events, restart_gang
 from libs.runtime.tasks import TaskSet
+from services.runner.agents import MemberSilent, ask
 from services.runner.metrics import PROBE_SECONDS, PROBES, TAKEOVERS, record_pairs
 from services.runner.run import GangRun
 from services.runner.schedule import rounds
@@ -248,7 +249,14 @@ class Runner:
             return
         await self._wait_joined(gang, epoch_number, nodes)
         if epoch.path is PathClass.RELAYED:
-            refusal = await self._shim_checks(gang, epoch_number, nodes)
+            try:
+                refusal = await self._shim_checks(gang, epoch_number, nodes)
+            except MemberSilent as silent:
+                message = f"{silent}; placing the gang again without it"
+                await restart_gang(
+                    self.bus, silent.node, gang, epoch_number, lifecycle.MEMBER_LOST, message
+                )
+                return
             if refusal is not None:
                 await self._shim_not_loaded(gang, epoch_number, refusal)
                 return
@@ -294,21 +302,22 @@ class Runner:
             log.warning("%s epoch %d: %s never joined", gang, epoch, sorted(set(nodes) - joined))
 
     async def _shim_checks(self, gang: str, epoch: int, nodes: list[str]) -> str | None:
+        """Each member's shim self-test; the first refusal, or None. A member whose agent
+        stays silent is lost (the gang placed again without it), not a shim that failed to
+        load (chaos seed 518594: an agent restarting answered nobody for a moment)."""
         job = await self.jobs.get(gang)
         launcher = job.value.spec.command[:1] if job is not None else []
+        request = ShimCheckRequest(gang=gang, epoch=epoch, launcher=launcher)
         replies = await asyncio.gather(
             *(
-                self.bus.request(
-                    names.node_request(n, names.AgentVerb.SHIM_CHECK),
-                    ShimCheckRequest(gang=gang, epoch=epoch, launcher=launcher),
-                    ShimCheckReply,
-                    timeout=60,
-                )
+                ask(self.bus, n, names.AgentVerb.SHIM_CHECK, request, ShimCheckReply, each=60)
                 for n in nodes
             ),
             return_exceptions=True,
         )
         for node, reply in zip(nodes, replies, strict=True):
+            if isinstance(reply, MemberSilent):
+                raise reply
             if isinstance(reply, BaseException):
                 return f"{node}: the shim self-test did not run: {reply}"
             if not reply.ok:

@@ -1,0 +1,65 @@
+"""Asking a member's agent for something the run needs (a launch, the shim's self-test), the
+way the platform's losses are told from the workload's: a request nobody answers (no agent
+subscribed: one restarting) or whose answer is lost (a server of the bus failing over between
+the agent and the runner) is asked again, since every such request is safe to repeat (the agent
+launches a rank once, and runs a self-test again harmlessly). An agent that stays silent past
+the deadline is a lost member, and the gang is placed again without it; it is never the
+workload's failure."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TypeVar
+
+import msgspec
+
+from libs.bus import Bus
+from libs.contracts import names
+from libs.contracts.errors import ErrorCode, NodusError
+
+log = logging.getLogger("nodus.runner")
+
+R = TypeVar("R", bound=msgspec.Struct)
+
+# An agent restarts in seconds (O4); a bus server fails over in a few more.
+UNANSWERED_SECONDS = 30.0
+_UNANSWERED = (ErrorCode.NO_RESPONDERS, ErrorCode.TIMEOUT)
+
+
+class MemberSilent(Exception):
+    """The member's agent answered nothing until the deadline: the platform lost it."""
+
+    def __init__(self, node: str, verb: names.AgentVerb, last: NodusError) -> None:
+        super().__init__(f"{node}: no agent answered the {verb.value} in time ({last.message})")
+        self.node = node
+
+
+async def ask(
+    bus: Bus,
+    node: str,
+    verb: names.AgentVerb,
+    body: msgspec.Struct,
+    reply: type[R],
+    each: float,
+    unanswered: float | None = None,
+) -> R:
+    """`verb` asked of `node`'s agent, each try bounded by `each` seconds, again while it goes
+    unanswered; MemberSilent after `unanswered` seconds of that. Any other error (the agent
+    answered with a refusal) is raised as it is."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (UNANSWERED_SECONDS if unanswered is None else unanswered)
+    subject = names.node_request(node, verb)
+    while True:
+        try:
+            return await bus.request(
+                subject, body, reply, min(each, max(deadline - loop.time(), 1.0))
+            )
+        except NodusError as error:
+            if error.code not in _UNANSWERED:
+                raise
+            if loop.time() >= deadline:
+                raise MemberSilent(node, verb, error) from error
+            log.info("%s: %s; asking again", node, error.message)
+            if error.code is ErrorCode.NO_RESPONDERS:
+                await asyncio.sleep(0.5)
