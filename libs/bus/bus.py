@@ -39,6 +39,9 @@ Rep = TypeVar("Rep", bound=msgspec.Struct)
 
 _MESSAGE_IDS = NUID()  # one generator: making a NUID draws a random prefix each time
 NO_RESPONDER_RETRIES = (0.02, 0.05, 0.1, None)
+# A JetStream API request nobody answers this long reached a server without JetStream: the
+# daemon says so then, instead of after the whole failover allowance (RETRY_SECONDS).
+NO_JETSTREAM_SECONDS = 4.0
 ERROR_HEADER = "Nats-Service-Error"
 
 # History kept per key: enough for `describe` to show recent transitions.
@@ -96,7 +99,12 @@ class Bus:
     async def ensure_stream(self, name: str, subjects: list[str]) -> None:
         try:
             try:
-                await retrying(lambda: self.js.stream_info(name), f"open {name}", self.nc)
+                await retrying(
+                    lambda: self.js.stream_info(name),
+                    f"open {name}",
+                    self.nc,
+                    no_responders_seconds=NO_JETSTREAM_SECONDS,
+                )
             except nats.js.errors.NotFoundError:
                 config = StreamConfig(
                     name=name,
@@ -119,7 +127,12 @@ class Bus:
             # A daemon that starts while a server fails over waits for the bus (S4), as
             # every later call does; a refusal (S1) is not retried.
             try:
-                kv = await retrying(lambda: self.js.key_value(name), f"open {name}", self.nc)
+                kv = await retrying(
+                    lambda: self.js.key_value(name),
+                    f"open {name}",
+                    self.nc,
+                    no_responders_seconds=NO_JETSTREAM_SECONDS,
+                )
             except nats.js.errors.BucketNotFoundError:
                 config = KeyValueConfig(
                     bucket=name,

@@ -74,18 +74,30 @@ def transient(error: BaseException) -> bool:
     return False
 
 
+def _nobody_answered(error: BaseException) -> bool:
+    """No responders, as nats-py says it for a core request and for a JetStream API one (a
+    503 with no JetStream error code: no server answered, none refused)."""
+    if isinstance(error, nats.js.errors.ServiceUnavailableError):
+        return getattr(error, "err_code", None) is None
+    return isinstance(error, nats.errors.NoRespondersError)
+
+
 async def retrying(
     call: Callable[[], Awaitable[T]],
     what: str,
     nc: Client | None = None,
     deadline_seconds: float = RETRY_SECONDS,
     on_retry: Callable[[], None] | None = None,
+    no_responders_seconds: float | None = None,
 ) -> T:
     """`call()` until it succeeds, fails for good, or the deadline passes (the last error is
     raised). A timeout after the server refused one of `nc`'s publishes is a refusal (S1), not
     an outage: raised at once. `on_retry` runs before each retry: the caller notes its first
-    try may have landed."""
+    try may have landed. `no_responders_seconds` bounds how long nobody answering is
+    transient: a JetStream API request that nobody answers that long reached a server
+    without JetStream (every server with it answers the API, leader or not)."""
     deadline = time.monotonic() + deadline_seconds
+    unanswered_since: float | None = None
     refused = refusal_count(nc) if nc is not None else 0
     attempt = 0
     while True:
@@ -94,6 +106,12 @@ async def retrying(
         except Exception as error:
             if not transient(error) or time.monotonic() >= deadline:
                 raise
+            if _nobody_answered(error) and no_responders_seconds:
+                unanswered_since = unanswered_since or time.monotonic()
+                if time.monotonic() - unanswered_since >= no_responders_seconds:
+                    raise
+            else:
+                unanswered_since = None
             if nc is not None and refusal_count(nc) > refused:
                 raise
             pause = PAUSES[attempt] if attempt < len(PAUSES) else PAUSES[-1]

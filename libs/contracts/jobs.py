@@ -150,6 +150,7 @@ class LastEvent(Record):
     message: str
     time: datetime
     seq: int  # the job's events, counted: its id is `<gang>:<created>:<seq>`
+    epoch: int = 0  # the job's epoch when it happened
 
 
 class JobStatus(Record):
@@ -175,6 +176,12 @@ class JobStatus(Record):
     # get it as NODUS_RESTART_COUNT (they resume from their checkpoint).
     runs: int = 0
     last_event: LastEvent | None = None
+    # The events before the last (at most EARLIER_EVENTS_KEPT), published again the same way:
+    # a daemon killed before its event was stored may find the job moved on when it starts.
+    earlier_events: list[LastEvent] = []
+
+
+EARLIER_EVENTS_KEPT = 7
 
 
 class Job(Record):

@@ -22,6 +22,7 @@ import msgspec
 
 from libs.contracts.base import now
 from libs.contracts.jobs import (
+    EARLIER_EVENTS_KEPT,
     FINISHED_PHASES,
     Billing,
     ConditionType,
@@ -62,8 +63,13 @@ class Step:
             seq = last.seq + 1 if last is not None else 1
             # A copy: a transition may hand back the status it was given (deleted), which
             # its caller still holds.
-            recorded = LastEvent(self.event, self.message, now(), seq)
-            status = msgspec.structs.replace(self.status, last_event=recorded)
+            recorded = LastEvent(self.event, self.message, now(), seq, self.status.epoch)
+            earlier = self.status.earlier_events + ([last] if last is not None else [])
+            status = msgspec.structs.replace(
+                self.status,
+                last_event=recorded,
+                earlier_events=earlier[-EARLIER_EVENTS_KEPT:],
+            )
             object.__setattr__(self, "status", status)
 
 

@@ -15,7 +15,7 @@ import msgspec
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
-from libs.contracts.jobs import Job, JobEvent, JobStatus
+from libs.contracts.jobs import Job, JobEvent, JobStatus, LastEvent
 from libs.jobs import lifecycle
 from libs.jobs.lifecycle import Step, Transition
 
@@ -58,38 +58,47 @@ async def publish(bus: Bus, gang: str, epoch: int, step: Step) -> None:
 
 
 async def publish_last_event(bus: Bus, gang: str, epoch: int, status: JobStatus) -> None:
-    last = status.last_event
-    if last is None:
-        return
-    event = JobEvent(gang=gang, kind=last.kind, epoch=epoch, message=last.message, time=last.time)
+    if status.last_event is not None:
+        await _publish_event(bus, gang, epoch, status, status.last_event)
+
+
+async def _publish_event(
+    bus: Bus, gang: str, epoch: int, status: JobStatus, event: LastEvent
+) -> None:
+    body = JobEvent(gang=gang, kind=event.kind, epoch=epoch, message=event.message, time=event.time)
     created = status.created_time.timestamp() if status.created_time else 0.0
     try:
         await bus.publish(
-            names.job_event(gang, last.kind.lower()), event, dedup_id=f"{gang}:{created}:{last.seq}"
+            names.job_event(gang, event.kind.lower()),
+            body,
+            dedup_id=f"{gang}:{created}:{event.seq}",
         )
     except Exception as error:  # the job record is the truth; the event is its audit
-        log.warning("event %s for %s not published: %s", last.kind, gang, error)
+        log.warning("event %s for %s not published: %s", event.kind, gang, error)
 
 
 async def publish_recent_events(bus: Bus) -> int:
-    """At a daemon's start: the last event of every job that changed in the last
-    RECENT_EVENT_SECONDS, published again (the stream drops the ones it has): what a daemon
-    killed between its write and the event's storage would otherwise have lost. Best effort."""
+    """At a daemon's start: every event of the last RECENT_EVENT_SECONDS each job keeps (its
+    last and the ones before it), published again (the stream drops the ones it has): what
+    a daemon killed between its write and the event's storage would otherwise have lost,
+    even once the job moved on (chaos seed 1: a placer killed before its Placed event left,
+    and the job was Probing when it started again). Best effort; the number published."""
     try:
         jobs = await bus.bucket(names.BUCKET_JOBS, Job).snapshot()
     except Exception as error:  # the records stand; the events are their audit
         log.warning("recent job events not published again: %s", error)
         return 0
     t = now()
-    recent = [
-        found.value
-        for found in jobs.values()
-        if (last := found.value.status.last_event) is not None
-        and (t - last.time).total_seconds() < RECENT_EVENT_SECONDS
-    ]
-    for job in recent:
-        await publish_last_event(bus, job.key, job.status.epoch, job.status)
-    return len(recent)
+    published = 0
+    for found in jobs.values():
+        status = found.value.status
+        kept = status.earlier_events + ([status.last_event] if status.last_event else [])
+        for event in kept:
+            if (t - event.time).total_seconds() < RECENT_EVENT_SECONDS:
+                epoch = event.epoch if event is not status.last_event else status.epoch
+                await _publish_event(bus, found.key, epoch, status, event)
+                published += 1
+    return published
 
 
 async def restart_gang(

@@ -8,7 +8,7 @@ import msgspec
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
-from libs.contracts.jobs import Job
+from libs.contracts.jobs import GangStatus, Job, JobEvent, PathClass
 from libs.jobs import lifecycle
 from libs.jobs.store import publish_recent_events
 from tests.factories import job
@@ -26,3 +26,25 @@ async def test_a_transition_written_whose_event_never_left_is_published_once_at_
         assert await publish_recent_events(bus) == 1
     stored = await bus.replay(names.EVENTS_STREAM, names.job_event(written.key, ">"))
     assert [m.subject for m in stored] == [names.job_event(written.key, "admitted")]
+
+
+async def test_events_whose_job_moved_on_before_they_were_stored_are_published_at_the_next_start(
+    bus: Bus,
+) -> None:
+    """A placer killed after it wrote Placed and before the event left; the runner wrote
+    Probing meanwhile (chaos seed 1): the next start publishes Placed too, not only the last."""
+    jobs = bus.bucket(names.BUCKET_JOBS, Job)
+    t = now()
+    status = lifecycle.admitted(t, "placer-0").status
+    status = lifecycle.placed(
+        status, 1, GangStatus(transport=PathClass.RELAYED, members=[]), "placer-0", t
+    ).status
+    status = lifecycle.probing(status).status
+    written = msgspec.structs.replace(job("moved-on"), status=status)
+    await jobs.create(written.key, written)  # none of the three events left
+    assert await publish_recent_events(bus) == 3
+    stored = await bus.replay(names.EVENTS_STREAM, names.job_event(written.key, ">"))
+    kinds = [m.subject.rsplit(".", 1)[1] for m in stored]
+    assert kinds == ["admitted", "placed", "probing"]
+    placed = msgspec.json.decode(stored[1].data, type=JobEvent)
+    assert placed.epoch == 1
