@@ -46,6 +46,8 @@ from services.runner.metrics import PROBE_SECONDS, PROBES, TAKEOVERS, record_pai
 from services.runner.run import GangRun
 from services.runner.schedule import rounds
 
+JOIN_POLL_SECONDS = 0.2  # a member's join record read again
+
 log = logging.getLogger("nodus.runner")
 R = TypeVar("R", bound=msgspec.Struct)
 
@@ -286,20 +288,27 @@ class Runner:
         await self._qualified(gang, epoch_number, nodes, results)
 
     async def _wait_joined(self, gang: str, epoch: int, nodes: list[str]) -> None:
-        """Members record their WireGuard key when they join; give them the readiness window."""
-        joined: set[str] = set()
-
-        async def watch() -> None:
-            async for change in self.members.watch(f"{gang}.{epoch}.*"):
-                if change.value is not None:
-                    joined.add(change.value.node)
-                    if joined >= set(nodes):
-                        return
-
-        try:
-            await asyncio.wait_for(watch(), self.readiness_seconds)
-        except TimeoutError:
-            log.warning("%s epoch %d: %s never joined", gang, epoch, sorted(set(nodes) - joined))
+        """Members record their WireGuard key when they join; give them the readiness window.
+        Each member's record is read, again every JOIN_POLL_SECONDS, with the deadline kept
+        here: a watch whose consumer was lost with a server (chaos seed 1) saw none of them,
+        and nats-py turned the cancellation of its wait into a retried timeout, so the probe
+        waited for ever instead of the window."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.readiness_seconds
+        waiting = set(nodes)
+        while True:
+            for node in sorted(waiting):
+                try:
+                    if await self.members.get(f"{gang}.{epoch}.{node}") is not None:
+                        waiting.discard(node)
+                except NodusError as error:  # the bus failing over longer than its retries
+                    log.info("%s epoch %d: %s not read yet: %s", gang, epoch, node, error)
+            if not waiting:
+                return
+            if loop.time() >= deadline:
+                log.warning("%s epoch %d: %s never joined", gang, epoch, sorted(waiting))
+                return
+            await asyncio.sleep(JOIN_POLL_SECONDS)
 
     async def _shim_checks(self, gang: str, epoch: int, nodes: list[str]) -> str | None:
         """Each member's shim self-test; the first refusal, or None. A member whose agent

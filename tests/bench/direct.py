@@ -465,13 +465,22 @@ def ice(count: int, state: Path) -> dict[str, Any]:
         (state / f"ice-{count}").mkdir()
         with direct_members(lab, state / f"ice-{count}", spec) as members:
             seconds = members.joined_seconds
-            direct = sum(len(r["paths"]) for r in members.reports.values()) // 2
+            first = sum(len(r["paths"]) for r in members.reports.values()) // 2
             failed = {n: r["failures"] for n, r in members.reports.items() if r["failures"]}
-    say(f"ice {count} members: {seconds:.1f} s, {direct} of {count * (count - 1) // 2} direct")
+            # A pair can end its first round on the relays while its first WireGuard
+            # handshake through a NAT is still under way on a loaded machine (CI: 5 of 6);
+            # its member moves it to direct once the handshake is done, and that is timed.
+            names = [name for name, *_ in machines]
+            to_direct = _until(members, names, "direct", 20.0)
+            now_direct = sum(p.startswith("direct") for p in _paths(members, names)) // 2
+    pairs = count * (count - 1) // 2
+    say(f"ice {count} members: {seconds:.1f} s, {first} of {pairs} direct at first")
     return {
         "seconds_to_every_pair": round(seconds, 2),
-        "pairs": count * (count - 1) // 2,
-        "direct_pairs": direct,
+        "pairs": pairs,
+        "direct_pairs_first_round": first,
+        "seconds_more_to_every_pair_direct": to_direct,
+        "direct_pairs": now_direct,
         "failures": failed,
     }
 

@@ -65,7 +65,10 @@ MOVING = 0.02e9
 IPERF_SECONDS = 5
 DOWNLOAD = 48 << 20
 TRANSFER = 64 << 20  # each way, per relay kill
-KILLS = 20
+# Kills in a row, each under a fresh 64-MiB transfer each way, checked byte for byte and for
+# its longest gap; the twenty kills under live traffic are the torchrun storm's
+# (test_real_programs_torchrun.py).
+KILLS = 8
 MAX_GAP = 1.0
 CONNECTIONS = 1000
 FD_SLACK = 4
@@ -339,7 +342,7 @@ def transfer_with_a_kill(lab: Lab, round_: int) -> dict[str, Any]:
     }
 
 
-def test_b2_byte_exact_transfers_survive_twenty_relay_kills_in_a_row(lab: Lab) -> None:
+def test_b2_byte_exact_transfers_survive_relay_kills_in_a_row(lab: Lab) -> None:
     gaps_seen: list[float] = []
     for round_ in range(KILLS):
         result = transfer_with_a_kill(lab, round_)

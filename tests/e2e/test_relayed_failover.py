@@ -172,11 +172,14 @@ async def test_512_mib_each_way_survive_the_relay_carrying_them_being_killed(
         # the other one is not billed twice. The killed relay publishes its journal once back.
         system.restart(carrying.name)
         # Each member's program sent SIZE, plus the link's own headers (well under 0.1 %).
+        # The bill is late at worst: the relays' counts (resends included) come first, the
+        # member's own total with its relay's next flush, and the bill settles on it (CI saw
+        # 1.004 read before it had).
         for _ in range(100):
             bills = {
                 node: b - billed_before.get(node, 0) for node, b in (await billed(client)).items()
             }
-            if all(bills.get(node, 0) >= SIZE for node in ("vast-a", "lam-b")):
+            if all(SIZE <= bills.get(node, 0) <= SIZE * 1.001 for node in ("vast-a", "lam-b")):
                 break
             await asyncio.sleep(0.2)
         for node in ("vast-a", "lam-b"):

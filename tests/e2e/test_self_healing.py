@@ -49,7 +49,7 @@ kind: Job
 metadata: {{name: heal, org: acme}}
 spec:
   command: [python3, examples/workloads/allreduce.py]
-  env: {{ALLREDUCE_MIB: "1", ALLREDUCE_ITERS: "24", ALLREDUCE_STEP_SECONDS: "1"}}
+  env: {{ALLREDUCE_MIB: "1", ALLREDUCE_ITERS: "16", ALLREDUCE_STEP_SECONDS: "1"}}
   image: {{libc: glibc}}
   accelerators: {accelerators}
   distributed: {{members: 2, network: {network}, transport: {transport}}}
