@@ -322,8 +322,10 @@ class Bus:
             await service.add_endpoint(
                 name=endpoint.name, subject=endpoint.subject, handler=endpoint.handle
             )
-        # The server must know the subscriptions before anyone is told this service is up.
-        await self.nc.flush()
+        # The server must know the subscriptions before anyone is told this service is up;
+        # a server failing over answers the flush late (an agent started then exited on a
+        # flush timeout in chaos), and the subscriptions are sent again on the reconnect.
+        await retrying(self.nc.flush, f"serve {name}", self.nc)
         self._services.append(service)
         return service
 
