@@ -40,8 +40,9 @@ Rep = TypeVar("Rep", bound=msgspec.Struct)
 _MESSAGE_IDS = NUID()  # one generator: making a NUID draws a random prefix each time
 NO_RESPONDER_RETRIES = (0.02, 0.05, 0.1, None)
 # A JetStream API request nobody answers this long reached a server without JetStream: the
-# daemon says so then, instead of after the whole failover allowance (RETRY_SECONDS).
-NO_JETSTREAM_SECONDS = 4.0
+# daemon says so then, instead of after the whole failover allowance (RETRY_SECONDS). Long
+# enough for a server that was just restarted to start its JetStream.
+NO_JETSTREAM_SECONDS = 10.0
 ERROR_HEADER = "Nats-Service-Error"
 
 # History kept per key: enough for `describe` to show recent transitions.
