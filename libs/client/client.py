@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +23,9 @@ from libs.contracts.jobs import Job, JobEvent
 from libs.contracts.lifecycle import LogsReply, LogsRequest, ProbeRecord
 from libs.contracts.relay import UsageRecord
 from libs.jobs.billing import billed_bytes
+
+# How long an apply waits for a placer to answer when none does (one restarting).
+APPLY_UNANSWERED_SECONDS = 10.0
 
 T = TypeVar("T")
 
@@ -107,9 +111,21 @@ class Client:
         await self.bus.close()
 
     async def apply(self, job: Job, timeout: float = 10.0) -> ApplyReply:
-        return await self.bus.request(
-            names.API_JOBS_APPLY, ApplyRequest(job=job), ApplyReply, timeout
-        )
+        """Admit `job`; asked again for up to APPLY_UNANSWERED_SECONDS while no placer answers
+        (a replica restarting while the other reconnects after losing its server: chaos seed
+        552850 refused an apply so). An apply is safe to repeat: the same spec again is
+        answered "unchanged"."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + APPLY_UNANSWERED_SECONDS
+        while True:
+            try:
+                return await self.bus.request(
+                    names.API_JOBS_APPLY, ApplyRequest(job=job), ApplyReply, timeout
+                )
+            except NodusError as error:
+                if error.code is not ErrorCode.NO_RESPONDERS or loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(0.25)
 
     async def delete(self, name: str, org: str | None = None) -> DeleteReply:
         job = await self.get_job(name, org)
