@@ -95,7 +95,8 @@ async def publish_recent_events(bus: Bus) -> int:
         kept = status.earlier_events + ([status.last_event] if status.last_event else [])
         for event in kept:
             if (t - event.time).total_seconds() < RECENT_EVENT_SECONDS:
-                epoch = event.epoch if event is not status.last_event else status.epoch
+                # Recorded with the event; a record written before it was has 0 there.
+                epoch = event.epoch or status.epoch
                 await _publish_event(bus, found.key, epoch, status, event)
                 published += 1
     return published
