@@ -34,6 +34,11 @@ MALFORMED_RECORDS = Counter(
 KV_DEL = "DEL"
 KV_PURGE = "PURGE"
 EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
+# A watch's consumer lives on one server (an ordered consumer has one replica). When that server
+# dies, nats-py makes the consumer again after two heartbeats are missed, and tries again each
+# two more: at its default of 5 s a watch saw nothing for 10-20 s (placers missed released
+# leases, runners missed joins). Idle heartbeats are a few bytes a second per watch.
+WATCH_HEARTBEAT_SECONDS = 1.0
 
 
 class _NamedConsumers:
@@ -55,6 +60,7 @@ class _NamedConsumers:
 
     async def subscribe(self, subject: str, **options: Any) -> Any:
         options["config"] = ConsumerConfig(name=_consumer_name())
+        options.setdefault("idle_heartbeat", WATCH_HEARTBEAT_SECONDS)
         subscription = await self._js.subscribe(subject, **options)
         # nats-py keeps an ordered consumer's state on the inner subscription.
         inner = getattr(subscription, "_sub", subscription)

@@ -82,6 +82,14 @@ def _nobody_answered(error: BaseException) -> bool:
     return isinstance(error, nats.errors.NoRespondersError)
 
 
+def _cancel_was_swallowed() -> bool:
+    """Was this task cancelled while in the call? nats-py answers a cancelled request with its
+    TimeoutError, which looks transient: retried, the cancellation is lost and the caller's
+    `wait_for` waits until the retries end (a runner's readiness wait never ended so)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 async def retrying(
     call: Callable[[], Awaitable[T]],
     what: str,
@@ -104,6 +112,8 @@ async def retrying(
         try:
             return await call()
         except Exception as error:
+            if _cancel_was_swallowed():
+                raise asyncio.CancelledError() from error
             if not transient(error) or time.monotonic() >= deadline:
                 raise
             if _nobody_answered(error) and no_responders_seconds:
