@@ -31,3 +31,6 @@ class NodeInfoRequest(Record):
 
 class NodeInfoReply(Record):
     node: NodeRecord
+    # Made afresh each time the agent's process starts: an asker whose long request went to an
+    # earlier process knows that its request was lost with it.
+    agent_instance: str = ""

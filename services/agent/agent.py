@@ -95,6 +95,7 @@ class Agent:
         reboot_command: Sequence[str] = DEFAULT_REBOOT_COMMAND,
     ) -> None:
         self.bus = bus
+        self.instance = uuid.uuid4().hex  # this process's run of the agent (NodeInfoReply)
         # How epochs' dataplanes run: each in a process of its own that outlives this agent
         # (the daemon), or, without a bus URL to hand a child (agents made inside a test's
         # process), in this process.
@@ -288,7 +289,7 @@ class Agent:
         return RebootReply(node=self.node, boot_id=self.boot_id)
 
     async def info(self, _: NodeInfoRequest) -> NodeInfoReply:
-        return NodeInfoReply(node=self.record())
+        return NodeInfoReply(node=self.record(), agent_instance=self.instance)
 
     async def epochs_joined(self, _: JoinedEpochsRequest) -> JoinedEpochsReply:
         epochs = []

@@ -1,4 +1,4 @@
-"""Asking a member's agent for something the run needs (a launch, the shim's self-test), the
+"""Asking a member's agent for something the run needs (a launch, the shim's self-test, a probe), the
 way the platform's losses are told from the workload's: a request nobody answers (no agent
 subscribed: one restarting) or whose answer is lost (a server of the bus failing over between
 the agent and the runner) is asked again, since every such request is safe to repeat (the agent
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TypeVar
+from collections.abc import Awaitable
+from typing import NoReturn, TypeVar
 
 import msgspec
 
 from libs.bus import Bus
 from libs.contracts import names
+from libs.contracts.api import NodeInfoReply, NodeInfoRequest
 from libs.contracts.errors import ErrorCode, NodusError
 
 log = logging.getLogger("nodus.runner")
@@ -24,6 +26,9 @@ R = TypeVar("R", bound=msgspec.Struct)
 
 # An agent restarts in seconds (O4); a bus server fails over in a few more.
 UNANSWERED_SECONDS = 30.0
+# How often an agent busy with a long request (a probe's sample) is asked whether it is the
+# process that received it.
+RESTART_CHECK_SECONDS = 3.0
 _UNANSWERED = (ErrorCode.NO_RESPONDERS, ErrorCode.TIMEOUT)
 
 
@@ -63,3 +68,49 @@ async def ask(
             log.info("%s: %s; asking again", node, error.message)
             if error.code is ErrorCode.NO_RESPONDERS:
                 await asyncio.sleep(0.5)
+
+
+class AgentRestarted(Exception):
+    """The agent's process changed while it held a request: the request was lost with it."""
+
+    def __init__(self, node: str) -> None:
+        super().__init__(f"{node}: its agent restarted")
+        self.node = node
+
+
+async def instances(bus: Bus, nodes: list[str]) -> dict[str, str]:
+    """Which process of its agent each node runs now (MemberSilent for one that answers none)."""
+    replies = await asyncio.gather(
+        *(
+            ask(bus, node, names.AgentVerb.INFO, NodeInfoRequest(), NodeInfoReply, each=5)
+            for node in nodes
+        )
+    )
+    return {node: reply.agent_instance for node, reply in zip(nodes, replies, strict=True)}
+
+
+async def unless_restarted(bus: Bus, held: dict[str, str], work: Awaitable[R]) -> R:
+    """`work`, a long request to the agents in `held`, unless one of them restarts (its request
+    lost: AgentRestarted) or goes silent (MemberSilent) first. Without this, a probe pair whose
+    agent was killed as it began waited its whole timeout, 115 s (chaos seed 552850)."""
+    working = asyncio.ensure_future(work)
+    checking = asyncio.ensure_future(_until_restarted(bus, held))
+    try:
+        await asyncio.wait({working, checking}, return_when=asyncio.FIRST_COMPLETED)
+        if working.done():
+            return working.result()
+        return checking.result()  # raises what ended the check
+    finally:
+        for task in (working, checking):
+            task.cancel()
+        await asyncio.gather(working, checking, return_exceptions=True)
+
+
+async def _until_restarted(bus: Bus, held: dict[str, str]) -> NoReturn:
+    nodes = sorted(held)
+    while True:
+        await asyncio.sleep(RESTART_CHECK_SECONDS)
+        now_running = await instances(bus, nodes)
+        for node in nodes:
+            if now_running[node] != held[node]:
+                raise AgentRestarted(node)

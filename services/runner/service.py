@@ -41,7 +41,7 @@ from libs.contracts.relay import Member
 from libs.jobs import lifecycle
 from libs.jobs.store import advance, publish_recent_events, restart_gang
 from libs.runtime.tasks import TaskSet
-from services.runner.agents import MemberSilent, ask
+from services.runner.agents import AgentRestarted, MemberSilent, ask, instances, unless_restarted
 from services.runner.metrics import PROBE_SECONDS, PROBES, TAKEOVERS, record_pairs
 from services.runner.run import GangRun
 from services.runner.schedule import rounds
@@ -52,6 +52,7 @@ log = logging.getLogger("nodus.runner")
 R = TypeVar("R", bound=msgspec.Struct)
 
 MAX_EPOCHS = 5  # epochs a gang may fail its probe in before the Job fails
+PAIR_TRIES = 3  # a pair measured again after an agent of it restarted
 
 
 class Runner:
@@ -265,9 +266,19 @@ class Runner:
         results: list[PairResult] = []
         for pairs in schedule:
             outcome = await asyncio.gather(
-                *(self._pair(gang, epoch_number, a, b) for a, b in pairs)
+                *(self._pair(gang, epoch_number, a, b) for a, b in pairs),
+                return_exceptions=True,
             )
-            results.extend(outcome)
+            for measured in outcome:
+                if isinstance(measured, MemberSilent):
+                    message = f"{measured}; placing the gang again without it"
+                    await restart_gang(
+                        self.bus, measured.node, gang, epoch_number, lifecycle.MEMBER_LOST, message
+                    )
+                    return
+                if isinstance(measured, BaseException):
+                    raise measured
+                results.append(measured)
             await self.probes.mutate(
                 names.epoch_key(gang, epoch_number), self._held(_with_pairs(list(results)))
             )
@@ -334,14 +345,40 @@ class Runner:
         return None
 
     async def _pair(self, gang: str, epoch: int, a: str, b: str) -> PairResult:
+        """The pair measured; again when an agent of it restarted meanwhile (its probe server
+        and its sample went with its process: the platform's loss, not a failed path), up to
+        PAIR_TRIES times. An agent that stays silent is a lost member (MemberSilent)."""
+        result: PairResult | None = None
+        for _ in range(PAIR_TRIES):
+            held = await instances(self.bus, [a, b])
+            try:
+                result = await unless_restarted(
+                    self.bus, held, self._measure_pair(gang, epoch, a, b)
+                )
+            except AgentRestarted as restarted:
+                log.info("%s epoch %d: %s; measuring %s-%s again", gang, epoch, restarted, a, b)
+                continue
+            if result.ok or await instances(self.bus, [a, b]) == held:
+                return result
+            log.info("%s epoch %d: an agent of %s-%s restarted; measuring again", gang, epoch, a, b)
+        return result or PairResult(
+            a=a,
+            b=b,
+            ok=False,
+            error=f"an agent restarted during each of {PAIR_TRIES} tries",
+            suspect=b,
+            measured_time=now(),
+        )
+
+    async def _measure_pair(self, gang: str, epoch: int, a: str, b: str) -> PairResult:
         """a measures a->b through the workload's path; b opens its own fresh connections back.
         A failure names its suspect: the member that could not serve, or could not be reached."""
         serve = ProbeServeRequest(gang=gang, epoch=epoch)
         ends: dict[str, ProbeServeReply] = {}
         for node in (b, a):
             try:
-                ends[node] = await self._request(
-                    node, names.AgentVerb.PROBE_SERVE, serve, ProbeServeReply
+                ends[node] = await ask(
+                    self.bus, node, names.AgentVerb.PROBE_SERVE, serve, ProbeServeReply, each=10
                 )
             except NodusError as error:
                 return PairResult(
