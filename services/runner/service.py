@@ -361,14 +361,7 @@ class Runner:
             if result.ok or await instances(self.bus, [a, b]) == held:
                 return result
             log.info("%s epoch %d: an agent of %s-%s restarted; measuring again", gang, epoch, a, b)
-        return result or PairResult(
-            a=a,
-            b=b,
-            ok=False,
-            error=f"an agent restarted during each of {PAIR_TRIES} tries",
-            suspect=b,
-            measured_time=now(),
-        )
+        return result or _failed_pair(a, b, f"an agent restarted in each of {PAIR_TRIES} tries", b)
 
     async def _measure_pair(self, gang: str, epoch: int, a: str, b: str) -> PairResult:
         """a measures a->b through the workload's path; b opens its own fresh connections back.
@@ -381,14 +374,7 @@ class Runner:
                     self.bus, node, names.AgentVerb.PROBE_SERVE, serve, ProbeServeReply, each=10
                 )
             except NodusError as error:
-                return PairResult(
-                    a=a,
-                    b=b,
-                    ok=False,
-                    error=f"{node} cannot serve probes: {error}",
-                    suspect=node,
-                    measured_time=now(),
-                )
+                return _failed_pair(a, b, f"{node} cannot serve probes: {error}", node)
         timeout = self.readiness_seconds + self.sample_seconds + 45
 
         async def probe(node: str, peer: str, measure: bool) -> PairResult:
@@ -538,3 +524,7 @@ class Runner:
 
 def _with_pairs(done: list[PairResult]) -> Callable[[ProbeRecord], ProbeRecord]:
     return lambda record: msgspec.structs.replace(record, pairs=done)
+
+
+def _failed_pair(a: str, b: str, error: str, suspect: str) -> PairResult:
+    return PairResult(a=a, b=b, ok=False, error=error, suspect=suspect, measured_time=now())
