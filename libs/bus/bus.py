@@ -4,6 +4,7 @@ services whose failures are readable errors with stable codes (C1, C7)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -38,7 +39,11 @@ Req = TypeVar("Req", bound=msgspec.Struct)
 Rep = TypeVar("Rep", bound=msgspec.Struct)
 
 _MESSAGE_IDS = NUID()  # one generator: making a NUID draws a random prefix each time
-NO_RESPONDER_RETRIES = (0.02, 0.05, 0.1, None)
+# A request nobody answers is asked again after these pauses (then the last, until the
+# caller's patience ends): a subscription made an instant ago on another connection can be
+# missed by the server for a moment, and a service restarting answers again in seconds.
+NO_RESPONDER_PAUSES = (0.02, 0.05, 0.1, 0.25)
+NO_RESPONDER_PATIENCE_SECONDS = 0.17  # by default, the moment only: a real absence outlasts it
 # A JetStream API request nobody answers this long reached a server without JetStream: the
 # daemon says so then, instead of after the whole failover allowance (RETRY_SECONDS). Long
 # enough for a server that was just restarted to start its JetStream.
@@ -253,21 +258,29 @@ class Bus:
         return data
 
     async def request(
-        self, subject: str, body: msgspec.Struct, reply: type[R], timeout: float = 5.0
+        self,
+        subject: str,
+        body: msgspec.Struct,
+        reply: type[R],
+        timeout: float = 5.0,
+        unanswered_seconds: float = NO_RESPONDER_PATIENCE_SECONDS,
     ) -> R:
-        """A request whose every failure is a NodusError with a stable code (C1)."""
+        """A request whose every failure is a NodusError with a stable code (C1). While nobody
+        answers it is asked again, for up to `unanswered_seconds`: only a request that is safe
+        to repeat should be given more than the default moment."""
         data = encode(body)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + unanswered_seconds
         try:
-            for pause in NO_RESPONDER_RETRIES:
+            for attempt in itertools.count():
                 try:
                     msg = await self.nc.request(subject, data, timeout=timeout)
                     break
                 except nats.errors.NoRespondersError:
-                    # A subscription made an instant ago on another connection can be missed
-                    # by the server for a moment; a real absence outlasts these short pauses.
-                    if pause is None:
+                    if loop.time() >= deadline:
                         raise
-                    await asyncio.sleep(pause)
+                    pause = NO_RESPONDER_PAUSES[min(attempt, len(NO_RESPONDER_PAUSES) - 1)]
+                    await asyncio.sleep(min(pause, max(deadline - loop.time(), 0.0)))
         except nats.errors.NoRespondersError:
             raise NodusError(
                 ErrorCode.NO_RESPONDERS,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -115,17 +114,13 @@ class Client:
         (a replica restarting while the other reconnects after losing its server: chaos seed
         552850 refused an apply so). An apply is safe to repeat: the same spec again is
         answered "unchanged"."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + APPLY_UNANSWERED_SECONDS
-        while True:
-            try:
-                return await self.bus.request(
-                    names.API_JOBS_APPLY, ApplyRequest(job=job), ApplyReply, timeout
-                )
-            except NodusError as error:
-                if error.code is not ErrorCode.NO_RESPONDERS or loop.time() >= deadline:
-                    raise
-                await asyncio.sleep(0.25)
+        return await self.bus.request(
+            names.API_JOBS_APPLY,
+            ApplyRequest(job=job),
+            ApplyReply,
+            timeout,
+            unanswered_seconds=APPLY_UNANSWERED_SECONDS,
+        )
 
     async def delete(self, name: str, org: str | None = None) -> DeleteReply:
         job = await self.get_job(name, org)

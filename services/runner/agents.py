@@ -56,18 +56,15 @@ async def ask(
     deadline = loop.time() + (UNANSWERED_SECONDS if unanswered is None else unanswered)
     subject = names.node_request(node, verb)
     while True:
+        left = max(deadline - loop.time(), 0.0)
         try:
-            return await bus.request(
-                subject, body, reply, min(each, max(deadline - loop.time(), 1.0))
-            )
+            return await bus.request(subject, body, reply, min(each, max(left, 1.0)), left)
         except NodusError as error:
             if error.code not in _UNANSWERED:
                 raise
             if loop.time() >= deadline:
                 raise MemberSilent(node, verb, error) from error
             log.info("%s: %s; asking again", node, error.message)
-            if error.code is ErrorCode.NO_RESPONDERS:
-                await asyncio.sleep(0.5)
 
 
 class AgentRestarted(Exception):
