@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,8 +24,11 @@ from libs.contracts.lifecycle import LogsReply, LogsRequest, ProbeRecord
 from libs.contracts.relay import UsageRecord
 from libs.jobs.billing import billed_bytes
 
-# How long an apply waits for a placer to answer when none does (one restarting).
-APPLY_UNANSWERED_SECONDS = 10.0
+# How long an apply is asked again while no placer answers it (one restarting, the other
+# reconnecting), or a placer took it and died before answering; and each try's wait, well
+# above a placer's answer under a thousand applies at once (under 3 s).
+APPLY_PATIENCE_SECONDS = 20.0
+APPLY_TRY_SECONDS = 5.0
 
 T = TypeVar("T")
 
@@ -109,18 +113,29 @@ class Client:
     async def close(self) -> None:
         await self.bus.close()
 
-    async def apply(self, job: Job, timeout: float = 10.0) -> ApplyReply:
-        """Admit `job`; asked again for up to APPLY_UNANSWERED_SECONDS while no placer answers
-        (a replica restarting while the other reconnects after losing its server: chaos seed
-        552850 refused an apply so). An apply is safe to repeat: the same spec again is
-        answered "unchanged"."""
-        return await self.bus.request(
-            names.API_JOBS_APPLY,
-            ApplyRequest(job=job),
-            ApplyReply,
-            timeout,
-            unanswered_seconds=APPLY_UNANSWERED_SECONDS,
-        )
+    async def apply(
+        self, job: Job, timeout: float = APPLY_TRY_SECONDS, patience: float = APPLY_PATIENCE_SECONDS
+    ) -> ApplyReply:
+        """Admit `job`, each try waiting up to `timeout` for the answer. Asked again while
+        `patience` seconds have not passed when no placer answers (a replica restarting while
+        the other reconnects after losing its server) or the answer does not come (chaos seed
+        552850: the placer that took the request was killed before it answered). An apply is
+        safe to repeat: the same spec again is answered "unchanged"."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + patience
+        while True:
+            left = max(deadline - loop.time(), 0.0)
+            try:
+                return await self.bus.request(
+                    names.API_JOBS_APPLY,
+                    ApplyRequest(job=job),
+                    ApplyReply,
+                    timeout,
+                    unanswered_seconds=left,
+                )
+            except NodusError as error:
+                if error.code is not ErrorCode.TIMEOUT or loop.time() >= deadline:
+                    raise
 
     async def delete(self, name: str, org: str | None = None) -> DeleteReply:
         job = await self.get_job(name, org)
