@@ -32,6 +32,9 @@ class ClusterView:
         self.inventory_version = 0  # bumps when the set of machines changes
         self._timeout = timedelta(seconds=heartbeat_timeout)
         self._newest_beat: datetime | None = None  # the newest heartbeat this view has heard
+        # Where the clock stood when heartbeats were heard again after a silence, and when.
+        self._clock_at_resume: datetime | None = None
+        self._resumed_at: datetime | None = None
         # Every heartbeat heard, oldest first: a sweep looks at the machines whose heartbeat
         # may have aged out since the last, not at the whole fleet (10,000 machines a second
         # was a tenth of the placer's time under a burst of jobs).
@@ -53,6 +56,9 @@ class ClusterView:
         else:
             self.health[node] = health
             heapq.heappush(self._beats, (health.heartbeat_time, node))
+            if self._newest_beat is not None and now - self._newest_beat > self._timeout / 2:
+                self._clock_at_resume = self._clock(now)  # before this beat moves it on
+                self._resumed_at = now
             if self._newest_beat is None or health.heartbeat_time > self._newest_beat:
                 self._newest_beat = health.heartbeat_time
         self.refresh(node, now)
@@ -77,11 +83,21 @@ class ClusterView:
         watch is behind: a bus server lost, its consumer being made again), then the newest
         heartbeat it heard plus a third of the timeout. A placer whose watch stalled must not
         take every machine for dead (chaos saw six gangs lose every member at once). After
-        three timeouts of silence, now again: every agent may really be gone."""
+        three timeouts of silence, now again: every agent may really be gone.
+
+        When heartbeats are heard again, the clock goes on from where it stood, at the pace of
+        real time, for one timeout: the first agent whose write got through after the bus came
+        back must not make the others, still retrying theirs, look dead (chaos seed 477969: a
+        gang lost both members after each of three 5-s outages, and its job failed). It is
+        never more than one timeout behind."""
         newest = self._newest_beat
         if newest is None or now - newest > 3 * self._timeout:
             return now
-        return min(now, newest + self._timeout / 3)
+        clock = min(now, newest + self._timeout / 3)
+        resumed, resumed_at = self._clock_at_resume, self._resumed_at
+        if resumed is not None and resumed_at is not None and now - resumed_at < self._timeout:
+            clock = min(clock, max(resumed + (now - resumed_at), now - self._timeout))
+        return clock
 
     def refresh(self, node: str, now: datetime) -> bool:
         """Recompute whether `node` is free; True when that changed."""

@@ -41,3 +41,22 @@ def test_a_view_that_hears_nobody_does_not_take_every_machine_for_dead() -> None
     assert view.alive("a", at(12)) and view.alive("b", at(12))
     # Three timeouts of silence: everyone may really be gone.
     assert not view.alive("a", at(2 + 3 * TIMEOUT + 1))
+
+
+def test_when_heartbeats_come_back_after_a_silence_the_others_have_time_to_beat() -> None:
+    """The bus was away 6 s: a's first beat after it must not make b, whose write is still
+    being retried, look dead; a machine that stays silent is still lost a timeout later."""
+    view = ClusterView(TIMEOUT)
+    for second in range(5):
+        beat(view, "a", second)
+        beat(view, "b", second)
+        beat(view, "c", second)
+    beat(view, "a", 10.0)  # the first write through after the outage (4 s to 10 s)
+    assert view.alive("b", at(10.5)) and view.alive("c", at(10.5))
+    beat(view, "b", 11.0)
+    beat(view, "a", 11.0)
+    for second in range(12, 20):
+        beat(view, "a", second)
+        beat(view, "b", second)
+    assert view.alive("b", at(19.5))
+    assert not view.alive("c", at(19.5))  # never came back
