@@ -49,8 +49,10 @@ class PlacerConfig(Record):
     heartbeat_timeout_seconds: Annotated[float, msgspec.Meta(gt=0)] = HEARTBEAT_TIMEOUT_SECONDS
     # Attempts (epochs and collision retries) before a gang is left Pending with the reasons.
     max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 8
-    # Jobs committed at once by one replica (their KV round trips overlap).
-    placement_concurrency: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16
+    # Batches of jobs placed at once by one replica (their KV round trips overlap), and the
+    # most jobs in one batch (planned in turn, committed together: a round trip per step).
+    placement_concurrency: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
+    placement_batch: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 64
     # Another replica takes over a Pending job its accepting placer left for this long.
     takeover_seconds: Annotated[float, msgspec.Meta(ge=0)] = 5.0
 

@@ -62,17 +62,28 @@ async def publish_last_event(bus: Bus, gang: str, epoch: int, status: JobStatus)
         await _publish_event(bus, gang, epoch, status, status.last_event)
 
 
+def event_message(gang: str, epoch: int, status: JobStatus) -> tuple[str, JobEvent, str] | None:
+    """The status's last event as it is published: subject, body and `Nats-Msg-Id` (for a
+    writer that sends several at once); None when the status records none."""
+    if status.last_event is None:
+        return None
+    return _event_message(gang, epoch, status, status.last_event)
+
+
+def _event_message(
+    gang: str, epoch: int, status: JobStatus, event: LastEvent
+) -> tuple[str, JobEvent, str]:
+    body = JobEvent(gang=gang, kind=event.kind, epoch=epoch, message=event.message, time=event.time)
+    created = status.created_time.timestamp() if status.created_time else 0.0
+    return names.job_event(gang, event.kind.lower()), body, f"{gang}:{created}:{event.seq}"
+
+
 async def _publish_event(
     bus: Bus, gang: str, epoch: int, status: JobStatus, event: LastEvent
 ) -> None:
-    body = JobEvent(gang=gang, kind=event.kind, epoch=epoch, message=event.message, time=event.time)
-    created = status.created_time.timestamp() if status.created_time else 0.0
+    subject, body, dedup_id = _event_message(gang, epoch, status, event)
     try:
-        await bus.publish(
-            names.job_event(gang, event.kind.lower()),
-            body,
-            dedup_id=f"{gang}:{created}:{event.seq}",
-        )
+        await bus.publish(subject, body, dedup_id=dedup_id)
     except Exception as error:  # the job record is the truth; the event is its audit
         log.warning("event %s for %s not published: %s", event.kind, gang, error)
 

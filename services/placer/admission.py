@@ -8,8 +8,9 @@ from collections.abc import Iterable
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeRecord
 from libs.contracts.jobs import QUALIFY_ORG, Job, PathClass
+from services.placer.candidates import Candidates
 from services.placer.environment import check_backend_names
-from services.placer.planner import Candidates, Planner, Shortfall
+from services.placer.planner import Planner, Shortfall
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

@@ -15,7 +15,7 @@ from libs.contracts.epochs import Lease
 from libs.contracts.errors import NodusError
 from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.remediation import Cordon
-from services.placer.planner import Candidates
+from services.placer.candidates import Candidates
 
 
 class ClusterView:

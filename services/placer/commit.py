@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
@@ -14,6 +15,7 @@ import msgspec
 from prometheus_client import Counter
 
 from libs.bus import Bus, Versioned, check_plan_generations
+from libs.bus.batch import Batches
 from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.bounds import RELATIVE_TO_DIRECT, derive
@@ -28,10 +30,10 @@ from libs.contracts.epochs import (
 )
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeRecord
-from libs.contracts.jobs import Estimate, GangMember, GangStatus, Job, PathClass
+from libs.contracts.jobs import Estimate, GangMember, GangStatus, Job, JobEvent, PathClass
 from libs.contracts.placer import PlacerConfig
 from libs.jobs import lifecycle
-from libs.jobs.store import publish
+from libs.jobs.store import event_message
 from libs.mesh import MeshIdentity
 from libs.runtime.tasks import TaskSet
 from services.placer.cluster import ClusterView
@@ -54,6 +56,27 @@ class LostRace(Exception):
     """A race lost mid-commit: plan again with a fresher view."""
 
 
+@dataclass(slots=True)
+class Placement:
+    """One job's plan on its way to the bus: its machines reserved in the view, its records
+    made; what it took so far, and whether it lost a race (then it took nothing)."""
+
+    current: Versioned[Job]
+    plan: Plan
+    mesh: MeshIdentity
+    exclusions: Exclusions
+    record: Epoch
+    lease: Lease
+    slots: list[int]  # each member's relay slot (Relayed only)
+    held: dict[str, int] = field(default_factory=dict)  # node -> lease revision
+    claimed: list[tuple[str, int]] = field(default_factory=list)  # address key, revision
+    lost: bool = False
+
+    @property
+    def gang(self) -> str:
+        return self.record.gang
+
+
 class Committer:
     """One replica's writer of placements; the view is the replica's own (machines are
     reserved in it before the first await, so its concurrent commits never pick the same)."""
@@ -73,6 +96,8 @@ class Committer:
         self.joinkeys = bus.bucket(names.BUCKET_JOINKEYS, JoinKeyGrant)
         self.ranktables = bus.bucket(names.BUCKET_RANKTABLES, Ranktable)
         self.events = TaskSet("placer events", log)
+        self.batches = Batches(bus)  # a step's writes for every placement, sent as one
+        self._events: list[tuple[str, JobEvent, str]] = []  # announced, not yet sent
         self._relaying: dict[str, list[int]] = {}  # gang -> its members' relay slots, mid-commit
 
     async def close(self) -> None:
@@ -80,11 +105,53 @@ class Committer:
 
     def announce(self, job: Job, step: lifecycle.Step) -> None:
         """Publish a step's event in the background: the KV record is the truth, and nobody
-        waits on the event's acknowledgement (a lost event is logged)."""
-        if step.event is not None:
-            self.events.spawn(
-                publish(self.bus, job.key, job.status.epoch, step), name=f"event {job.key}"
-            )
+        waits on the event's acknowledgement (a lost event is logged). Events announced in one
+        pass of the loop leave together, as one batch."""
+        if step.event is None:
+            return
+        message = event_message(job.key, job.status.epoch, step.status)
+        if message is None:
+            return
+        self._events.append(message)
+        if len(self._events) == 1:
+            self.events.spawn(self._publish_events(), name="events")
+
+    async def _publish_events(self) -> None:
+        await asyncio.sleep(0)  # the rest of this pass's events join the batch
+        messages, self._events = self._events, []
+        batch = self.batches.batch()
+        for subject, body, msg_id in messages:
+            batch.publish(subject, body, msg_id)
+        try:
+            await batch.send()
+        except Exception as error:  # the job records are the truth; the events their audit
+            log.warning("%d events not published: %s", len(messages), error)
+
+    # -- committing placements -------------------------------------------------------------------
+
+    def prepare(
+        self,
+        current: Versioned[Job],
+        plan: Plan,
+        mesh: MeshIdentity,
+        exclusions: Exclusions,
+        epoch: int,
+    ) -> Placement:
+        """A plan made ready to commit, its machines reserved in the view at once (the next
+        plan of this replica skips them; nothing may wait between a plan and this)."""
+        job = current.value
+        records = {node: self.view.records[node] for node in plan.nodes}
+        problems = check_plan(plan, records, job)
+        if problems:  # the planner's own invariants: never commit a plan that breaks them
+            raise NodusError(ErrorCode.INTERNAL, f"plan for {job.key} breaks {problems}")
+        t = now()
+        lease = Lease(gang=job.key, epoch=epoch, placer=self.replica, created_time=t)
+        for node in plan.nodes:
+            self.view.set_lease(node, lease, t)
+        relayed = plan.path is PathClass.RELAYED
+        slots = self._relay_slots(job.key, len(plan.members)) if relayed else []
+        record = self._epoch_record(job, plan, records, epoch, mesh, t, slots)
+        return Placement(current, plan, mesh, exclusions, record, lease, slots)
 
     async def commit(
         self,
@@ -94,24 +161,142 @@ class Committer:
         exclusions: Exclusions,
         epoch: int,
     ) -> None:
-        """Commit a plan in its order: the machines (and on Relayed the addresses), the epoch,
-        the members' join keys, then the job says Placed. A race lost raises LostRace."""
-        job = current.value
-        records = {node: self.view.records[node] for node in plan.nodes}
-        problems = check_plan(plan, records, job)
-        if problems:  # the planner's own invariants: never commit a plan that breaks them
-            raise NodusError(ErrorCode.INTERNAL, f"plan for {job.key} breaks {problems}")
-        t = now()
-        relayed = plan.path is PathClass.RELAYED
-        slots = self._relay_slots(job.key, len(plan.members)) if relayed else []
-        record = self._epoch_record(job, plan, records, epoch, mesh, t, slots)
-        lease = Lease(gang=job.key, epoch=epoch, placer=self.replica, created_time=t)
+        """Commit one plan (see `commit_all`); a race lost raises LostRace."""
+        placement = self.prepare(current, plan, mesh, exclusions, epoch)
+        await self.commit_all([placement])
+        if placement.lost:
+            raise LostRace
+
+    async def commit_all(self, placements: list[Placement]) -> None:
+        """Commit prepared plans together, each in its order: the machines (and on Relayed the
+        addresses), the epoch, the members' join keys, then the job says Placed. Each step is
+        one batch of writes for every placement still going: a round trip per step, not per
+        record. A placement that loses a race on the way gives back what it took and says so
+        (`lost`); an error gives back what every placement took, and is raised."""
         try:
-            await self._persist_epoch(current, plan, record, lease, exclusions)
-            await self._grant_join_keys(record, mesh)
-            await self._mark_placed(current, plan, record, lease, slots)
+            try:
+                await self._take_leases(placements)
+                claims = await asyncio.gather(
+                    *(
+                        self._claim_or_release(p)
+                        for p in placements
+                        if not p.lost and p.plan.path is PathClass.RELAYED
+                    ),
+                    return_exceptions=True,  # every claim settled before any is given back
+                )
+                for outcome in claims:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                await self._persist_epochs([p for p in placements if not p.lost])
+            except BaseException:
+                await asyncio.shield(self._release_all([p for p in placements if not p.lost]))
+                raise
+            going = [p for p in placements if not p.lost]
+            await self._grant_join_keys(going)
+            await self._mark_placed(going)
         finally:
-            self._relaying.pop(job.key, None)
+            for placement in placements:
+                self._relaying.pop(placement.gang, None)
+
+    async def _take_leases(self, placements: list[Placement]) -> None:
+        """Every machine's lease, by compare-and-set: two replicas never hold one (R14). A
+        gang that misses one gives back the others and plans again."""
+        batch = self.batches.batch()
+        slots = [
+            [batch.create(self.leases, node, p.lease) for node in p.plan.nodes] for p in placements
+        ]
+        revisions = await batch.send()
+        lost: list[Placement] = []
+        for placement, indexes in zip(placements, slots, strict=True):
+            for node, index in zip(placement.plan.nodes, indexes, strict=True):
+                revision = revisions[index]
+                if revision is not None:
+                    placement.held[node] = revision
+            if len(placement.held) != len(placement.plan.nodes):
+                CONFLICTS.labels("lease").inc()
+                missing = [n for n in placement.plan.nodes if n not in placement.held]
+                log.debug("%s lost leases on %s; planning again", placement.gang, missing)
+                lost.append(placement)
+        # The machines another holds stay marked in the view until their watch says.
+        await self._release_all(lost)
+
+    async def _claim_or_release(self, placement: Placement) -> None:
+        try:
+            await self._claim_addresses(placement)
+        except LostRace:
+            await self._release_all([placement])
+
+    async def _persist_epochs(self, placements: list[Placement]) -> None:
+        """C2/G9: each epoch persisted before anything that names it leaves; a replica that
+        persisted the same epoch first wins the job."""
+        batch = self.batches.batch()
+        for p in placements:
+            batch.create(self.epochs, names.epoch_key(p.gang, p.record.epoch), p.record)
+        revisions = await batch.send()
+        lost = [p for p, revision in zip(placements, revisions, strict=True) if revision is None]
+        for _ in lost:
+            CONFLICTS.labels("epoch").inc()
+        await self._release_all(lost)
+
+    async def _grant_join_keys(self, placements: list[Placement]) -> None:
+        batch = self.batches.batch()
+        for p in placements:
+            record = p.record
+            gang, epoch, expires = record.gang, record.epoch, record.join_keys_expire_time
+            for m in record.members:
+                grant = JoinKeyGrant(
+                    token=p.mesh.mint(gang, epoch, m.node, expires),
+                    verify_key=p.mesh.verify_key,
+                    epoch=record,
+                )
+                batch.put(self.joinkeys, names.joinkey_key(m.node, gang, epoch), grant)
+        await batch.send()
+
+    async def _mark_placed(self, placements: list[Placement]) -> None:
+        """Each job says Placed, unless it changed meanwhile: then its epoch is undone."""
+        batch = self.batches.batch()
+        steps: list[tuple[lifecycle.Step, Job, Ranktable]] = []
+        for p in placements:
+            record = p.record
+            step = lifecycle.placed(
+                p.current.value.status,
+                record.epoch,
+                self._gang_status(p.plan, p.slots),
+                self.replica,
+                record.created_time,
+            )
+            placed = msgspec.structs.replace(p.current.value, status=step.status)
+            ranktable = self._ranktable(placed, record)
+            # C2: every part of the plan names one generation, checked before it says Placed.
+            check_plan_generations(
+                p.gang,
+                [
+                    ("epoch", record.epoch),
+                    ("lease", p.lease.epoch),
+                    ("job", step.status.epoch),
+                    ("ranktable", ranktable.epoch),
+                ],
+            )
+            batch.update(self.jobs, p.gang, placed, p.current.revision)
+            steps.append((step, placed, ranktable))
+        revisions = await batch.send()
+        tables = self.batches.batch()
+        undone: list[Placement] = []
+        for p, (step, placed, ranktable), revision in zip(
+            placements, steps, revisions, strict=True
+        ):
+            if revision is None:
+                # Deleted or changed under us: undo this epoch entirely.
+                CONFLICTS.labels("job").inc()
+                p.lost = True
+                undone.append(p)
+                continue
+            self.cache.saw(Versioned(p.gang, placed, revision))
+            tables.put(self.ranktables, p.gang, ranktable)
+            self.announce(placed, step)
+        await asyncio.gather(
+            tables.send(), *(self.teardown(p.gang, p.record.epoch) for p in undone)
+        )
 
     def _relay_slots(self, gang: str, members: int) -> list[int]:
         """Each member's relay slot, in rank order: the slot with the fewest Relayed members,
@@ -141,115 +326,26 @@ class Committer:
                 return epoch  # free, or another replica's live placement (create refuses)
             epoch += 1
 
-    async def _persist_epoch(
-        self, current: Versioned[Job], plan: Plan, record: Epoch, lease: Lease, ex: Exclusions
-    ) -> None:
-        """Take the machines and addresses, then persist the epoch record before anything that
-        names it leaves (C2/G9); whatever fails on the way gives back what was taken."""
-        held = await self._acquire_leases(plan.nodes, lease, record.created_time)
-        claimed: list[tuple[str, int]] = []
-        try:
-            if plan.path is PathClass.RELAYED:
-                await self._claim_addresses(current, plan, record.epoch, ex, claimed)
-            if await self.epochs.create(names.epoch_key(record.gang, record.epoch), record) is None:
-                CONFLICTS.labels("epoch").inc()
-                raise LostRace
-        except BaseException:
-            await self._release(plan.nodes, held, claimed)
-            raise
-
-    async def _grant_join_keys(self, record: Epoch, mesh: MeshIdentity) -> None:
-        gang, epoch, expires = record.gang, record.epoch, record.join_keys_expire_time
-        await asyncio.gather(
-            *(
-                self.joinkeys.put(
-                    names.joinkey_key(m.node, gang, epoch),
-                    JoinKeyGrant(
-                        token=mesh.mint(gang, epoch, m.node, expires),
-                        verify_key=mesh.verify_key,
-                        epoch=record,
-                    ),
-                )
-                for m in record.members
-            )
-        )
-
-    async def _mark_placed(
-        self, current: Versioned[Job], plan: Plan, record: Epoch, lease: Lease, slots: list[int]
-    ) -> None:
-        """The job says Placed, unless it changed meanwhile: then the epoch is undone."""
-        gang, epoch = record.gang, record.epoch
-        step = lifecycle.placed(
-            current.value.status,
-            epoch,
-            self._gang_status(plan, slots),
-            self.replica,
-            record.created_time,
-        )
-        status = step.status
-        placed = msgspec.structs.replace(current.value, status=status)
-        ranktable = self._ranktable(placed, record)
-        # C2: every part of the plan names one generation, checked before the job says Placed.
-        check_plan_generations(
-            gang,
-            [
-                ("epoch", record.epoch),
-                ("lease", lease.epoch),
-                ("job", status.epoch),
-                ("ranktable", ranktable.epoch),
-            ],
-        )
-        revision = await self.jobs.update(gang, placed, current.revision)
-        if revision is None:
-            # Deleted or changed under us: undo this epoch entirely.
-            CONFLICTS.labels("job").inc()
-            await self.teardown(gang, epoch)
-            raise LostRace
-        self.cache.saw(Versioned(gang, placed, revision))
-        await self.ranktables.put(gang, ranktable)
-        self.announce(placed, step)
-
-    async def _acquire_leases(self, nodes: list[str], lease: Lease, t: datetime) -> dict[str, int]:
-        for node in nodes:  # reserved in the view before any await: our other commits skip them
-            self.view.set_lease(node, lease, t)
-        results = await asyncio.gather(*(self.leases.create(node, lease) for node in nodes))
-        held = {node: rev for node, rev in zip(nodes, results, strict=True) if rev is not None}
-        if len(held) != len(nodes):
-            CONFLICTS.labels("lease").inc()
-            lost = [node for node in nodes if node not in held]
-            for node in held:  # roll back ours; the others stay marked until their watch says
-                await self.leases.delete(node, held[node])
-                self.view.set_lease(node, None, t)
-            log.debug("lost leases on %s; planning again", lost)
-            raise LostRace
-        return held
-
-    async def _claim_addresses(
-        self,
-        current: Versioned[Job],
-        plan: Plan,
-        epoch: int,
-        exclusions: Exclusions,
-        claimed: list[tuple[str, int]],
-    ) -> None:
+    async def _claim_addresses(self, placement: Placement) -> None:
         """G7: no two running Relayed gangs route one address; a collision re-places."""
+        current, plan, epoch = placement.current, placement.plan, placement.record.epoch
         gang = current.value.key
         for member in plan.members:
             key = names.address_key(member.address)
             claim = AddressClaim(gang=gang, epoch=epoch, node=member.node)
             revision = await self.addresses.create(key, claim)
             if revision is not None:
-                claimed.append((key, revision))
+                placement.claimed.append((key, revision))
                 continue
             holder = await self.addresses.get(key)
             if holder is not None and holder.value.gang == gang and holder.value.epoch < epoch:
                 # Our own older epoch's claim: take it over.
                 revision = await self.addresses.update(key, claim, holder.revision)
                 if revision is not None:
-                    claimed.append((key, revision))
+                    placement.claimed.append((key, revision))
                     continue
             other = holder.value.gang if holder else "another gang"
-            exclusions.addresses.add(member.address)
+            placement.exclusions.addresses.add(member.address)
             CONFLICTS.labels("address").inc()
             await self.set_gang_ready(
                 current,
@@ -260,16 +356,24 @@ class Committer:
             )
             raise LostRace
 
-    async def _release(
-        self, nodes: list[str], held: dict[str, int], claimed: list[tuple[str, int]]
-    ) -> None:
+    async def _release_all(self, placements: list[Placement]) -> None:
+        """Give back what these placements took (claims, then leases) and say they lost."""
+        if not placements:
+            return
+        batch = self.batches.batch()
+        for p in placements:
+            p.lost = True
+            for key, revision in p.claimed:
+                batch.delete(self.addresses, key, revision)
+            for node, revision in p.held.items():
+                batch.delete(self.leases, node, revision)
+        await batch.send()
         t = now()
-        for key, revision in claimed:
-            await self.addresses.delete(key, revision)
-        for node in nodes:
-            if node in held:
-                await self.leases.delete(node, held[node])
+        for p in placements:
+            for node in p.held:
                 self.view.set_lease(node, None, t)
+            p.held.clear()
+            p.claimed.clear()
 
     async def teardown(self, gang: str, epoch: int) -> None:
         """Fence an epoch (G9), then free its join keys, addresses and machines; idempotent."""

@@ -17,7 +17,8 @@ from libs.contracts.fleet import Inventory, NodeRecord
 from libs.contracts.jobs import Job, PathClass
 from libs.contracts.placer import PlacerConfig
 from libs.contracts.qualify import covered_pairs
-from services.placer.addresses import address_problem, ip_family, is_loopback, mesh_addresses
+from services.placer.addresses import mesh_addresses
+from services.placer.candidates import Candidates, Facts
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,95 +73,6 @@ def types_qualified(patterns: Iterable[str], a: tuple[str, str], b: tuple[str, s
         ):
             return True
     return False
-
-
-@dataclass(frozen=True, slots=True)
-class Facts:
-    """What the planner needs of a record's addresses, parsed once when the record arrives."""
-
-    eth0_usable: bool  # a unicast address (C4)
-    eth0_namespace: str | None  # loopback: the namespace it is reachable in; None otherwise
-    eth0_family: int
-    private_usable: bool
-    private_namespace: str | None
-    private_family: int
-
-    @staticmethod
-    def of(inv: Inventory) -> Facts:
-        def judge(address: str | None) -> tuple[bool, str | None, int]:
-            if not address or address_problem(address) is not None:
-                return False, None, 0
-            if is_loopback(address):
-                # Loopback reaches only inside one network namespace (C4).
-                return bool(inv.network_namespace), inv.network_namespace, ip_family(address)
-            return True, None, ip_family(address)
-
-        eth0 = judge(inv.address)
-        private = judge(inv.private_address) if inv.private_network else (False, None, 0)
-        return Facts(*eth0, *private)
-
-
-Shape = tuple[str, str]  # (backend, model)
-
-
-class Candidates:
-    """Machines indexed for planning: by accelerator shape, and private networks by backend."""
-
-    def __init__(self, records: Iterable[NodeRecord] = ()) -> None:
-        self.by_shape: dict[Shape, dict[str, NodeRecord]] = {}
-        # Private networks by backend (a gang has one backend; models may mix when not asked).
-        self.private: dict[str, dict[tuple[str, str, str], dict[str, NodeRecord]]] = {}
-        self.facts: dict[str, Facts] = {}
-        self._where: dict[str, tuple[Shape, tuple[str, str, str] | None]] = {}
-        for record in records:
-            self.add(record)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def __contains__(self, node: object) -> bool:
-        return node in self._where
-
-    def add(self, record: NodeRecord) -> None:
-        inv = record.inventory
-        self.remove(inv.node)
-        shape = (inv.accelerators.backend, inv.accelerators.model)
-        facts = Facts.of(inv)
-        self.facts[inv.node] = facts
-        self.by_shape.setdefault(shape, {})[inv.node] = record
-        network = None
-        if facts.private_usable and inv.private_network:
-            network = (inv.provider, inv.region, inv.private_network)
-            self.private.setdefault(shape[0], {}).setdefault(network, {})[inv.node] = record
-        self._where[inv.node] = (shape, network)
-
-    def remove(self, node: str) -> None:
-        where = self._where.pop(node, None)
-        if where is None:
-            return
-        shape, network = where
-        self.facts.pop(node, None)
-        bucket = self.by_shape.get(shape)
-        if bucket is not None:
-            bucket.pop(node, None)
-            if not bucket:
-                del self.by_shape[shape]
-        if network is not None:
-            groups = self.private[shape[0]]
-            groups[network].pop(node, None)
-            if not groups[network]:
-                del groups[network]
-            if not groups:
-                del self.private[shape[0]]
-
-    def shapes(self, job: Job) -> list[Shape]:
-        want = job.spec.accelerators
-        return [
-            shape
-            for shape in self.by_shape
-            if (want.backend is None or shape[0] == want.backend)
-            and (want.model is None or shape[1] == want.model)
-        ]
 
 
 # A search over a group that takes more steps than this gives up on the group (reported).
@@ -318,12 +230,24 @@ class Planner:
     def _records_for(
         self, job: Job, path: PathClass, candidates: Candidates
     ) -> Iterator[NodeRecord]:
+        """The machines a plan on `path` looks at, in the view's order. Only those of the
+        shapes asked for: a group (a private network) counts whole, models mixed, for its size."""
         shapes = candidates.shapes(job)
+        model = job.spec.accelerators.model
         if path is PathClass.PRIVATE:
             for backend in dict.fromkeys(shape[0] for shape in shapes):
-                for group in candidates.private.get(backend, {}).values():
-                    if len(group) >= job.spec.distributed.members:
+                for network, group in candidates.private.get(backend, {}).items():
+                    if len(group) < job.spec.distributed.members:
+                        continue
+                    if model is None:
                         yield from group.values()
+                    else:  # the group's machines of that model, in the group's order
+                        yield from candidates.private_of_shape.get(
+                            ((backend, model), network), {}
+                        ).values()
+        elif path is PathClass.DIRECT:
+            for shape in shapes:
+                yield from candidates.vms.get(shape, {}).values()
         else:
             for shape in shapes:
                 yield from candidates.by_shape[shape].values()
@@ -350,25 +274,42 @@ class Planner:
             and job.spec.qualify is None
         )
         budget = [SEARCH_BUDGET]
+        # This loop visits thousands of machines per plan: what it asks of each is looked up
+        # once here (the same tests as `eligible`, `_group_key` and `_missing_capabilities`).
+        direct, private = path is PathClass.DIRECT, path is PathClass.PRIVATE
+        excluded, excluded_addresses = exclusions.nodes, exclusions.addresses
+        want = job.spec.accelerators
+        want_count, want_backend, want_model = want.count, want.backend, want.model
+        required = self.config.required_capabilities
+        needed = [*required.all, *getattr(required, path.value)]
+        buffer_needed = needs.tunnel_buffer_bytes
+        facts = candidates.facts
         for record in self._records_for(job, path, candidates):
             inv = record.inventory
-            if path is PathClass.DIRECT and inv.offering != "vm":
+            if direct and inv.offering != "vm":
                 continue
-            if inv.node in exclusions.nodes or not self.eligible(job, record):
+            have = inv.accelerators
+            if (
+                inv.node in excluded
+                or have.count < want_count
+                or (want_backend is not None and have.backend != want_backend)
+                or (want_model is not None and have.model != want_model)
+            ):
                 continue
-            key = self._group_key(job, inv, candidates.facts[inv.node], path)
+            key = self._group_key(job, inv, facts[inv.node], path)
             if key is None:
                 continue
             usable += 1
-            if self._missing_capabilities(record, path):
+            if needed and any(cap not in record.capabilities for cap in needed):
                 continue
             capable += 1
-            if record.tunnel_buffer_limit_bytes < needs.tunnel_buffer_bytes:
+            if record.tunnel_buffer_limit_bytes < buffer_needed:
                 largest_buffer = max(largest_buffer, record.tunnel_buffer_limit_bytes)
                 continue
             fitting += 1
-            advertised = inv.private_address if path is PathClass.PRIVATE else inv.address
-            if path is not PathClass.DIRECT and advertised in exclusions.addresses:
+            if not direct and (inv.private_address if private else inv.address) in (
+                excluded_addresses
+            ):
                 continue
             group = groups.setdefault(key, [])
             group.append(record)

@@ -12,8 +12,9 @@ import os
 import random
 from pathlib import Path
 
+from services.placer.candidates import Candidates
 from services.placer.config import load_config
-from services.placer.planner import Candidates, Exclusions, Planner
+from services.placer.planner import Exclusions, Planner
 from tests.bench.placement_workload import build_fleet, build_jobs
 
 RECORDED = Path(__file__).parents[1] / "fixtures" / "placements-seed-1.json"
