@@ -34,3 +34,6 @@ class NodeInfoReply(Record):
     # Made afresh each time the agent's process starts: an asker whose long request went to an
     # earlier process knows that its request was lost with it.
     agent_instance: str = ""
+    # The probe pairs it is measuring now ("gang.epoch.peer"): an asker that sent one it does
+    # not hold knows that its request was lost on the way.
+    probing: list[str] = []

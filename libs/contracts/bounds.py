@@ -11,6 +11,7 @@ ASSUMED_WORST_RTT_SECONDS = 0.25
 PROBE_READINESS_SECONDS = 60.0  # G10.1
 PROBE_SAMPLE_SECONDS = 10.0  # G10.2
 JOIN_KEY_TTL_SECONDS = 15 * 60.0  # G9
+SHIM_SELF_TEST_SECONDS = 20.0  # G10.3: the image's launcher loading the shim, at most
 # Something that heartbeats and stays silent this long is gone (the placer's default
 # heartbeatTimeoutSeconds for nodes); a holder renews three times within it.
 HEARTBEAT_TIMEOUT_SECONDS = 15.0

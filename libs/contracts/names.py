@@ -92,6 +92,11 @@ def peer_key(gang: str, epoch: int, to: str, sender: str) -> str:
     return f"{gang}.{epoch}.{to}.{sender}"
 
 
+def probe_pair_key(gang: str, epoch: int, peer: str) -> str:
+    """A probe pair an agent measures towards `peer` (NodeInfoReply.probing)."""
+    return f"{gang}.{epoch}.{peer}"
+
+
 def ice_key(gang: str, epoch: int, node: str, peer: str) -> str:
     """The offer `node` makes `peer` in one epoch: epoch-scoped, so a stale one is never read
     for a new epoch (C2)."""

@@ -289,7 +289,9 @@ class Agent:
         return RebootReply(node=self.node, boot_id=self.boot_id)
 
     async def info(self, _: NodeInfoRequest) -> NodeInfoReply:
-        return NodeInfoReply(node=self.record(), agent_instance=self.instance)
+        return NodeInfoReply(
+            node=self.record(), agent_instance=self.instance, probing=sorted(self.gangs.probing)
+        )
 
     async def epochs_joined(self, _: JoinedEpochsRequest) -> JoinedEpochsReply:
         epochs = []

@@ -15,6 +15,7 @@ from pathlib import Path
 from libs.bus import Bus, Endpoint
 from libs.contracts import names
 from libs.contracts.base import now
+from libs.contracts.bounds import SHIM_SELF_TEST_SECONDS
 from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.jobs import PathClass
@@ -79,6 +80,7 @@ class GangWork:
         self.joined_epoch = joined_epoch  # the epochs this node joined, by their keys
         self.runner = RankRunner(node, bus.bucket(names.BUCKET_RANKS, RankStatus), log_dir)
         self.servers: dict[tuple[str, int], ProbeServer] = {}
+        self.probing: set[str] = set()  # probe pairs being measured (NodeInfoReply.probing)
         self.path_of = path_of  # the path to a peer now: direct | derp:<region>
 
     def endpoints(self) -> list[Endpoint]:  # type: ignore[type-arg]
@@ -139,6 +141,14 @@ class GangWork:
         dropped, as a first handshake through a NAT may on a loaded host, and checks ran again)
         is measured once more when it is direct again; a pair the relays carried at both ends is
         reported on the relays (G12)."""
+        held = names.probe_pair_key(request.gang, request.epoch, request.peer)
+        self.probing.add(held)
+        try:
+            return await self._measured_pair(request)
+        finally:
+            self.probing.discard(held)
+
+    async def _measured_pair(self, request: ProbePairRequest) -> PairResult:
         result, direct_once = await self._probe_pair(request)
         if (
             result.ok
@@ -240,7 +250,7 @@ class GangWork:
         if not launcher:
             raise NodusError(ErrorCode.INVALID, f"{request.gang}: no launcher to check")
         try:
-            result = await self_test_async(launcher, timeout=20)
+            result = await self_test_async(launcher, timeout=SHIM_SELF_TEST_SECONDS)
         except NetshimCheckError as error:
             return ShimCheckReply(node=self.node, ok=False, error=f"CheckFailed: {error}")
         return ShimCheckReply(

@@ -67,31 +67,41 @@ async def ask(
             log.info("%s: %s; asking again", node, error.message)
 
 
-class AgentRestarted(Exception):
-    """The agent's process changed while it held a request: the request was lost with it."""
+class RequestLost(Exception):
+    """A long request an agent should hold, lost: its agent's process changed (the request
+    went with the old one), or the agent does not hold it (lost on the way there)."""
 
-    def __init__(self, node: str) -> None:
-        super().__init__(f"{node}: its agent restarted")
+    def __init__(self, node: str, why: str) -> None:
+        super().__init__(f"{node}: {why}")
         self.node = node
 
 
-async def instances(bus: Bus, nodes: list[str]) -> dict[str, str]:
-    """Which process of its agent each node runs now (MemberSilent for one that answers none)."""
+async def _infos(bus: Bus, nodes: list[str]) -> dict[str, NodeInfoReply]:
+    """Each node's agent as it answers now (MemberSilent for one that answers none)."""
     replies = await asyncio.gather(
         *(
             ask(bus, node, names.AgentVerb.INFO, NodeInfoRequest(), NodeInfoReply, each=5)
             for node in nodes
         )
     )
-    return {node: reply.agent_instance for node, reply in zip(nodes, replies, strict=True)}
+    return dict(zip(nodes, replies, strict=True))
 
 
-async def unless_restarted(bus: Bus, held: dict[str, str], work: Awaitable[R]) -> R:
-    """`work`, a long request to the agents in `held`, unless one of them restarts (its request
-    lost: AgentRestarted) or goes silent (MemberSilent) first. Without this, a probe pair whose
-    agent was killed as it began waited its whole timeout, 115 s (chaos seed 552850)."""
+async def instances(bus: Bus, nodes: list[str]) -> dict[str, str]:
+    """Which process of its agent each node runs now (MemberSilent for one that answers none)."""
+    return {node: info.agent_instance for node, info in (await _infos(bus, nodes)).items()}
+
+
+async def unless_lost(
+    bus: Bus, held: dict[str, str], work: Awaitable[R], holding: dict[str, str] | None = None
+) -> R:
+    """`work`, a long request to the agents in `held` (node -> the process it runs), unless
+    one of them restarts, or does not hold the probe pair `holding` names for it twice in a row
+    (RequestLost), or goes silent (MemberSilent) first. Without this, a probe pair whose agent
+    was killed as it began (chaos seed 552850), or whose request a bus server lost on the way,
+    waited its whole timeout (85-115 s)."""
     working = asyncio.ensure_future(work)
-    checking = asyncio.ensure_future(_until_restarted(bus, held))
+    checking = asyncio.ensure_future(_until_lost(bus, held, holding or {}))
     try:
         await asyncio.wait({working, checking}, return_when=asyncio.FIRST_COMPLETED)
         if working.done():
@@ -103,11 +113,19 @@ async def unless_restarted(bus: Bus, held: dict[str, str], work: Awaitable[R]) -
         await asyncio.gather(working, checking, return_exceptions=True)
 
 
-async def _until_restarted(bus: Bus, held: dict[str, str]) -> NoReturn:
+async def _until_lost(bus: Bus, held: dict[str, str], holding: dict[str, str]) -> NoReturn:
     nodes = sorted(held)
+    missing: dict[str, int] = {}
     while True:
         await asyncio.sleep(RESTART_CHECK_SECONDS)
-        now_running = await instances(bus, nodes)
+        infos = await _infos(bus, nodes)
         for node in nodes:
-            if now_running[node] != held[node]:
-                raise AgentRestarted(node)
+            if infos[node].agent_instance != held[node]:
+                raise RequestLost(node, "its agent restarted")
+            if node in holding and holding[node] not in infos[node].probing:
+                # Twice: once may be the moment its answer is on the way back.
+                missing[node] = missing.get(node, 0) + 1
+                if missing[node] >= 2:
+                    raise RequestLost(node, "its agent does not hold the request (lost on the way)")
+            else:
+                missing.pop(node, None)

@@ -18,7 +18,11 @@ import nats.errors
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
-from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS, HEARTBEATS_PER_TIMEOUT
+from libs.contracts.bounds import (
+    HEARTBEAT_TIMEOUT_SECONDS,
+    HEARTBEATS_PER_TIMEOUT,
+    SHIM_SELF_TEST_SECONDS,
+)
 from libs.contracts.epochs import Epoch
 from libs.contracts.errors import NodusError
 from libs.contracts.jobs import (
@@ -41,7 +45,7 @@ from libs.contracts.relay import Member
 from libs.jobs import lifecycle
 from libs.jobs.store import advance, publish_recent_events, restart_gang
 from libs.runtime.tasks import TaskSet
-from services.runner.agents import AgentRestarted, MemberSilent, ask, instances, unless_restarted
+from services.runner.agents import MemberSilent, RequestLost, ask, instances, unless_lost
 from services.runner.metrics import PROBE_SECONDS, PROBES, TAKEOVERS, record_pairs
 from services.runner.run import GangRun
 from services.runner.schedule import rounds
@@ -52,7 +56,10 @@ log = logging.getLogger("nodus.runner")
 R = TypeVar("R", bound=msgspec.Struct)
 
 MAX_EPOCHS = 5  # epochs a gang may fail its probe in before the Job fails
-PAIR_TRIES = 3  # a pair measured again after an agent of it restarted
+PAIR_TRIES = 3  # a pair measured again after a request of it was lost
+# A shim check is asked again when its answer is this late (the self-test's own limit, and a
+# margin): a request a bus server lost on the way was waited 60 s.
+SHIM_ANSWER_SECONDS = SHIM_SELF_TEST_SECONDS + 5.0
 
 
 class Runner:
@@ -330,7 +337,14 @@ class Runner:
         request = ShimCheckRequest(gang=gang, epoch=epoch, launcher=launcher)
         replies = await asyncio.gather(
             *(
-                ask(self.bus, n, names.AgentVerb.SHIM_CHECK, request, ShimCheckReply, each=60)
+                ask(
+                    self.bus,
+                    n,
+                    names.AgentVerb.SHIM_CHECK,
+                    request,
+                    ShimCheckReply,
+                    each=SHIM_ANSWER_SECONDS,
+                )
                 for n in nodes
             ),
             return_exceptions=True,
@@ -345,27 +359,29 @@ class Runner:
         return None
 
     async def _pair(self, gang: str, epoch: int, a: str, b: str) -> PairResult:
-        """The pair measured; again when an agent of it restarted meanwhile (its probe server
-        and its sample went with its process: the platform's loss, not a failed path), up to
-        PAIR_TRIES times. An agent that stays silent is a lost member (MemberSilent)."""
+        """The pair measured; again when a request of it was lost (an agent restarted under
+        it: its probe server and its sample went with its process; or a bus server lost the
+        request on the way): the platform's loss, not a failed path. Up to PAIR_TRIES times.
+        An agent that stays silent is a lost member (MemberSilent)."""
         result: PairResult | None = None
         for _ in range(PAIR_TRIES):
             held = await instances(self.bus, [a, b])
             try:
-                result = await unless_restarted(
-                    self.bus, held, self._measure_pair(gang, epoch, a, b)
-                )
-            except AgentRestarted as restarted:
-                log.info("%s epoch %d: %s; measuring %s-%s again", gang, epoch, restarted, a, b)
+                result = await self._measure_pair(gang, epoch, a, b, held)
+            except RequestLost as lost:
+                log.info("%s epoch %d: %s; measuring %s-%s again", gang, epoch, lost, a, b)
                 continue
             if result.ok or await instances(self.bus, [a, b]) == held:
                 return result
             log.info("%s epoch %d: an agent of %s-%s restarted; measuring again", gang, epoch, a, b)
-        return result or _failed_pair(a, b, f"an agent restarted in each of {PAIR_TRIES} tries", b)
+        return result or _failed_pair(a, b, f"a request was lost in each of {PAIR_TRIES} tries", b)
 
-    async def _measure_pair(self, gang: str, epoch: int, a: str, b: str) -> PairResult:
+    async def _measure_pair(
+        self, gang: str, epoch: int, a: str, b: str, held: dict[str, str]
+    ) -> PairResult:
         """a measures a->b through the workload's path; b opens its own fresh connections back.
-        A failure names its suspect: the member that could not serve, or could not be reached."""
+        A failure names its suspect: the member that could not serve, or could not be reached.
+        `held`: the agents' processes when the pair began (RequestLost when one changes)."""
         serve = ProbeServeRequest(gang=gang, epoch=epoch)
         ends: dict[str, ProbeServeReply] = {}
         for node in (b, a):
@@ -388,13 +404,18 @@ class Runner:
                 readiness_seconds=self.readiness_seconds,
                 measure=measure,
             )
-            return await self._request(
-                node, names.AgentVerb.PROBE_PAIR, request, PairResult, timeout
+            asked = self.bus.request(
+                names.node_request(node, names.AgentVerb.PROBE_PAIR), request, PairResult, timeout
             )
+            holding = {node: names.probe_pair_key(gang, epoch, peer)}
+            return await unless_lost(self.bus, held, asked, holding)
 
         forward, reverse = await asyncio.gather(
             probe(a, b, True), probe(b, a, False), return_exceptions=True
         )
+        for outcome in (forward, reverse):
+            if isinstance(outcome, RequestLost | MemberSilent):
+                raise outcome
         if isinstance(forward, BaseException) or not forward.ok:
             why = forward if isinstance(forward, BaseException) else forward.error
             return PairResult(
@@ -406,16 +427,6 @@ class Runner:
         return msgspec.structs.replace(
             forward, connections=forward.connections + reverse.connections
         )
-
-    async def _request(
-        self,
-        node: str,
-        verb: names.AgentVerb,
-        body: msgspec.Struct,
-        reply: type[R],
-        timeout: float = 10.0,
-    ) -> R:
-        return await self.bus.request(names.node_request(node, verb), body, reply, timeout)
 
     # -- outcomes ------------------------------------------------------------------------------
 
