@@ -258,6 +258,9 @@ class Runner:
         if not await advance(self.bus, gang, epoch_number, lifecycle.PROBING, lifecycle.probing):
             return
         await self._wait_joined(gang, epoch_number, nodes)
+        # Each step said as it starts: a probe that stalls shows where (chaos: a Relayed probe
+        # silent for 70 s left nothing to read of which request it waited on).
+        log.info("%s epoch %d: probing %s", gang, epoch_number, ", ".join(nodes))
         if epoch.path is PathClass.RELAYED:
             try:
                 refusal = await self._shim_checks(gang, epoch_number, nodes)
@@ -271,7 +274,15 @@ class Runner:
                 await self._shim_not_loaded(gang, epoch_number, refusal)
                 return
         results: list[PairResult] = []
-        for pairs in schedule:
+        for number, pairs in enumerate(schedule, 1):
+            log.info(
+                "%s epoch %d: round %d of %d: %s",
+                gang,
+                epoch_number,
+                number,
+                len(schedule),
+                ", ".join(f"{a}-{b}" for a, b in pairs),
+            )
             outcome = await asyncio.gather(
                 *(self._pair(gang, epoch_number, a, b) for a, b in pairs),
                 return_exceptions=True,
