@@ -76,20 +76,32 @@ class RequestLost(Exception):
         self.node = node
 
 
-async def _infos(bus: Bus, nodes: list[str]) -> dict[str, NodeInfoReply]:
+async def _infos(
+    bus: Bus, nodes: list[str], unanswered: float | None = None
+) -> dict[str, NodeInfoReply]:
     """Each node's agent as it answers now (MemberSilent for one that answers none)."""
     replies = await asyncio.gather(
         *(
-            ask(bus, node, names.AgentVerb.INFO, NodeInfoRequest(), NodeInfoReply, each=5)
+            ask(
+                bus,
+                node,
+                names.AgentVerb.INFO,
+                NodeInfoRequest(),
+                NodeInfoReply,
+                each=5,
+                unanswered=unanswered,
+            )
             for node in nodes
         )
     )
     return dict(zip(nodes, replies, strict=True))
 
 
-async def instances(bus: Bus, nodes: list[str]) -> dict[str, str]:
-    """Which process of its agent each node runs now (MemberSilent for one that answers none)."""
-    return {node: info.agent_instance for node, info in (await _infos(bus, nodes)).items()}
+async def instances(bus: Bus, nodes: list[str], unanswered: float | None = None) -> dict[str, str]:
+    """Which process of its agent each node runs now (MemberSilent for one that answers none
+    within `unanswered` seconds, by default a member's patience)."""
+    infos = await _infos(bus, nodes, unanswered)
+    return {node: info.agent_instance for node, info in infos.items()}
 
 
 async def unless_lost(

@@ -57,6 +57,9 @@ R = TypeVar("R", bound=msgspec.Struct)
 
 MAX_EPOCHS = 5  # epochs a gang may fail its probe in before the Job fails
 PAIR_TRIES = 3  # a pair measured again after a request of it was lost
+# A pair whose agent answers nothing this long when it begins fails (the gang is placed again
+# without it) rather than wait a member's whole patience: an agent restarting is back sooner.
+PAIR_START_UNANSWERED_SECONDS = 5.0
 # A shim check is asked again when its answer is this late (the self-test's own limit, and a
 # margin): a request a bus server lost on the way was waited 60 s.
 SHIM_ANSWER_SECONDS = SHIM_SELF_TEST_SECONDS + 5.0
@@ -265,10 +268,7 @@ class Runner:
             try:
                 refusal = await self._shim_checks(gang, epoch_number, nodes)
             except MemberSilent as silent:
-                message = f"{silent}; placing the gang again without it"
-                await restart_gang(
-                    self.bus, silent.node, gang, epoch_number, lifecycle.MEMBER_LOST, message
-                )
+                await self._member_silent(gang, epoch_number, silent)
                 return
             if refusal is not None:
                 await self._shim_not_loaded(gang, epoch_number, refusal)
@@ -289,10 +289,7 @@ class Runner:
             )
             for measured in outcome:
                 if isinstance(measured, MemberSilent):
-                    message = f"{measured}; placing the gang again without it"
-                    await restart_gang(
-                        self.bus, measured.node, gang, epoch_number, lifecycle.MEMBER_LOST, message
-                    )
+                    await self._member_silent(gang, epoch_number, measured)
                     return
                 if isinstance(measured, BaseException):
                     raise measured
@@ -376,7 +373,12 @@ class Runner:
         An agent that stays silent is a lost member (MemberSilent)."""
         result: PairResult | None = None
         for _ in range(PAIR_TRIES):
-            held = await instances(self.bus, [a, b])
+            try:
+                held = await instances(self.bus, [a, b], unanswered=PAIR_START_UNANSWERED_SECONDS)
+            except MemberSilent as silent:  # no agent to serve or measure: the pair fails now
+                return _failed_pair(
+                    a, b, f"{silent.node} cannot serve probes: {silent}", silent.node
+                )
             try:
                 result = await self._measure_pair(gang, epoch, a, b, held)
             except RequestLost as lost:
@@ -467,6 +469,14 @@ class Runner:
             return
         PROBES.labels("qualified").inc()
         await self.run.launch(gang, epoch)
+
+    async def _member_silent(self, gang: str, epoch: int, silent: MemberSilent) -> None:
+        """A member's agent stopped answering during the probe: the epoch's probe failed (its
+        record says why), and the gang is placed again without it."""
+        message = f"{silent}; placing the gang again without it"
+        await self._conclude_record(gang, epoch, "Failed", now(), str(silent))
+        PROBES.labels("failed").inc()
+        await restart_gang(self.bus, silent.node, gang, epoch, lifecycle.MEMBER_LOST, message)
 
     async def _conclude_record(
         self,
