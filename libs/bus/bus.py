@@ -17,9 +17,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 from nats.js.kv import KeyValue
-from nats.micro import add_service
 from nats.micro.request import Request
-from nats.micro.service import Service
+from nats.micro.service import Service, ServiceConfig
 from nats.nuid import NUID
 
 from libs.bus.acks import Acks
@@ -329,9 +328,16 @@ class Bus:
         queue_group: str | None = None,
     ) -> Service:
         """A nats micro service: answers `$SRV.PING/INFO/STATS` like any NATS service."""
-        service = await add_service(
-            self.nc, name=name, version=version, description=description, queue_group=queue_group
+        config = ServiceConfig(
+            name=name, version=version, description=description, queue_group=queue_group
         )
+        service = Service(self.nc, config)
+        try:
+            await service.start()  # its subscriptions, then a flush
+        except nats.errors.FlushTimeoutError:
+            # The subscriptions are made; the server failing over answers the flush late (an
+            # agent restarted in chaos exited so, seed 1). The flush below is retried.
+            pass
         for endpoint in endpoints:
             await service.add_endpoint(
                 name=endpoint.name, subject=endpoint.subject, handler=endpoint.handle

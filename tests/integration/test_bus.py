@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats.errors
 import pytest
 from prometheus_client import REGISTRY
 
@@ -169,3 +170,29 @@ async def test_closing_with_a_message_still_being_handled_is_bounded_and_logs_no
     assert bus.nc.is_closed
     assert took < DRAIN_SECONDS + 2, took
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+async def test_a_service_whose_first_flush_times_out_still_serves(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server failing over answers the flush of a starting service late: the service starts
+    all the same (an agent restarted in chaos exited on it, seed 1)."""
+    real_flush = bus.nc.flush
+    late = [True, True]
+
+    async def flush(timeout: float = 10) -> None:
+        if late:
+            late.pop()
+            raise nats.errors.FlushTimeoutError
+        await real_flush(timeout)
+
+    monkeypatch.setattr(bus.nc, "flush", flush)
+
+    async def refuse(_: NodeInfoRequest) -> NodeInfoReply:
+        raise NodusError(ErrorCode.NOT_FOUND, "served")
+
+    await bus.serve(
+        "late-svc", "1.0.0", "test", [Endpoint("info", "late.info", NodeInfoRequest, refuse)]
+    )
+    with pytest.raises(NodusError, match="served"):
+        await bus.request("late.info", NodeInfoRequest(), NodeInfoReply)
