@@ -339,6 +339,11 @@ class Agent:
                 continue  # the watch said so after this read began: it knows better
             if key in snapshot:
                 self.grants[key] = snapshot[key].value
+            elif key in self.local and (kept := await self.joinkeys.get(key)) is not None:
+                # An epoch that runs here is left only on the key's own word: a read of the
+                # whole bucket during a server's failover came back empty, and the agent left
+                # a running gang whose key was there (chaos seed 789536: its job failed).
+                self.grants[key] = kept.value
             else:
                 self.grants.pop(key, None)
         for key in sorted(set(self.grants) | set(self.local)):

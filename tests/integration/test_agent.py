@@ -7,6 +7,7 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -228,3 +229,41 @@ async def test_an_agent_of_a_new_lab_boot_stops_the_ranks_of_the_previous_boot_a
         assert not list((tmp_path / "logs").glob("*.pid"))
     finally:
         await second.stop()
+
+
+async def test_a_read_of_the_join_keys_that_comes_back_empty_leaves_no_running_epoch(
+    bus: Bus, agents: list[Agent], start_placer: StartPlacer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read of the whole bucket during a server's failover came back empty, and the agent
+    left a running gang whose key was there (chaos seed 789536): it asks the key itself first."""
+    await start_placer()
+    client = Client(bus)
+    await client.apply(job("kept", org="acme", distributed={"members": 2, "transport": "Auto"}))
+    agent = agents[0]
+
+    async def epochs() -> int:
+        reply = await bus.request(
+            names.node_request("aws-a", names.AgentVerb.EPOCHS),
+            JoinedEpochsRequest(),
+            JoinedEpochsReply,
+        )
+        return len(reply.epochs)
+
+    async def joined() -> bool:
+        return await epochs() == 1
+
+    await eventually(joined)
+
+    async def nothing_read(keys: str = ">") -> dict[str, Any]:
+        return {}
+
+    monkeypatch.setattr(agent.joinkeys, "snapshot", nothing_read)
+    await agent._reconcile_all()
+    assert await epochs() == 1  # still running: its key is there
+    await client.delete("kept")  # a key really gone is still left
+    monkeypatch.undo()
+
+    async def left() -> bool:
+        return await epochs() == 0
+
+    await eventually(left)
