@@ -93,6 +93,20 @@ class MemberWatch:
             if await advance(self.bus, key, epoch, lifecycle.MEMBERS_LOST, replace):
                 log.warning("%s: %s", key, message)
 
+    async def _holds_after_all(self, gang: str, epoch: int) -> bool:
+        """The epoch and job read one by one: a lease is freed on their own word, not on a
+        read of the whole bucket, which a server's failover can answer short (an agent left a
+        running gang on such a read, chaos seed 789536; a lease freed so would let a second
+        gang onto a machine in use)."""
+        stored = await self.epochs.get(names.epoch_key(gang, epoch))
+        job = await self.jobs.get(gang)
+        return (
+            stored is not None
+            and not stored.value.fenced
+            and job is not None
+            and job.value.status.epoch == epoch
+        )
+
     async def release_stale_leases(self, grace_seconds: float = STALE_LEASE_SECONDS) -> int:
         """Reconcile leases with epochs and jobs: a lease whose epoch was never persisted (a
         placer died mid-commit), is fenced, or is not its job's current epoch frees its machine
@@ -110,6 +124,8 @@ class MemberWatch:
                 continue
             age = (t - held.created_time).total_seconds() if held.created_time else grace_seconds
             if age < grace_seconds:
+                continue
+            if await self._holds_after_all(held.gang, held.epoch):
                 continue
             if await self.leases.delete(node, lease.revision):
                 released += 1
