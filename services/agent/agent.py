@@ -314,12 +314,26 @@ class Agent:
         """The fast path: each change of this node's join keys is reconciled at once."""
         async for change in self.joinkeys.watch(f"{self.node}.>"):
             loop = asyncio.get_running_loop()
-            if change.value is None:
+            value = change.value
+            if value is None and change.key in self.local:
+                value = await self._key_itself(change.key)
+            if value is None:
                 self.grants.pop(change.key, None)
             else:
-                self.grants[change.key] = change.value
+                self.grants[change.key] = value
             self._granted_at[change.key] = loop.time()
             await self._reconcile(change.key)
+
+    async def _key_itself(self, key: str) -> JoinKeyGrant | None:
+        """An epoch that runs here is left only on its key's own word: a read of the whole
+        bucket during a server's failover came back without it, and the agent left a running
+        gang whose key was there (chaos seed 789536: its rank killed, its job Failed)."""
+        try:
+            kept = await self.joinkeys.get(key)
+        except (NodusError, NatsError, OSError, TimeoutError) as error:
+            log.warning("%s not read (%s): kept until its key's own word", key, error)
+            return self.grants.get(key)  # the next pass reads it again
+        return kept.value if kept is not None else None
 
     async def _reconcile_periodically(self) -> None:
         """What the watch missed (a reconnect, a gap), and dataplanes that died on their own."""
@@ -339,11 +353,8 @@ class Agent:
                 continue  # the watch said so after this read began: it knows better
             if key in snapshot:
                 self.grants[key] = snapshot[key].value
-            elif key in self.local and (kept := await self.joinkeys.get(key)) is not None:
-                # An epoch that runs here is left only on the key's own word: a read of the
-                # whole bucket during a server's failover came back empty, and the agent left
-                # a running gang whose key was there (chaos seed 789536: its job failed).
-                self.grants[key] = kept.value
+            elif key in self.local and (kept := await self._key_itself(key)) is not None:
+                self.grants[key] = kept
             else:
                 self.grants.pop(key, None)
         for key in sorted(set(self.grants) | set(self.local)):
