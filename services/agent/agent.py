@@ -24,7 +24,7 @@ import msgspec
 from nats.errors import Error as NatsError
 from prometheus_client import REGISTRY, Counter, Gauge
 
-from libs.bus import Bus, Endpoint
+from libs.bus import Bucket, Bus, Endpoint
 from libs.contracts import names
 from libs.contracts.api import NodeInfoReply, NodeInfoRequest
 from libs.contracts.base import now
@@ -316,24 +316,13 @@ class Agent:
             loop = asyncio.get_running_loop()
             value = change.value
             if value is None and change.key in self.local:
-                value = await self._key_itself(change.key)
+                value = await key_itself(self.joinkeys, change.key, self.grants)
             if value is None:
                 self.grants.pop(change.key, None)
             else:
                 self.grants[change.key] = value
             self._granted_at[change.key] = loop.time()
             await self._reconcile(change.key)
-
-    async def _key_itself(self, key: str) -> JoinKeyGrant | None:
-        """An epoch that runs here is left only on its key's own word: a read of the whole
-        bucket during a server's failover came back without it, and the agent left a running
-        gang whose key was there (chaos seed 789536: its rank killed, its job Failed)."""
-        try:
-            kept = await self.joinkeys.get(key)
-        except (NodusError, NatsError, OSError, TimeoutError) as error:
-            log.warning("%s not read (%s): kept until its key's own word", key, error)
-            return self.grants.get(key)  # the next pass reads it again
-        return kept.value if kept is not None else None
 
     async def _reconcile_periodically(self) -> None:
         """What the watch missed (a reconnect, a gap), and dataplanes that died on their own."""
@@ -353,7 +342,10 @@ class Agent:
                 continue  # the watch said so after this read began: it knows better
             if key in snapshot:
                 self.grants[key] = snapshot[key].value
-            elif key in self.local and (kept := await self._key_itself(key)) is not None:
+            elif (
+                key in self.local
+                and (kept := await key_itself(self.joinkeys, key, self.grants)) is not None
+            ):
                 self.grants[key] = kept
             else:
                 self.grants.pop(key, None)
@@ -568,3 +560,18 @@ class Agent:
                 self.store.remove(key)
             raise
         self.membership.guard.advance(epoch.gang, epoch.epoch)
+
+
+async def key_itself(
+    joinkeys: Bucket[JoinKeyGrant], key: str, held: dict[str, JoinKeyGrant]
+) -> JoinKeyGrant | None:
+    """An epoch that runs here is left only on its key's own word: a read of the whole
+    bucket during a server's failover came back without it, and the agent left a running
+    gang whose key was there (chaos seed 789536: its rank killed, its job Failed). A key that
+    cannot be read is kept as `held` has it; the next pass reads it again."""
+    try:
+        kept = await joinkeys.get(key)
+    except (NodusError, NatsError, OSError, TimeoutError) as error:
+        log.warning("%s not read (%s): kept until its key's own word", key, error)
+        return held.get(key)
+    return kept.value if kept is not None else None

@@ -180,7 +180,7 @@ async def test_a_service_whose_first_flush_times_out_still_serves(
     real_flush = bus.nc.flush
     late = [True, True]
 
-    async def flush(timeout: float = 10) -> None:
+    async def flush(timeout: int = 10) -> None:
         if late:
             late.pop()
             raise nats.errors.FlushTimeoutError

@@ -26,6 +26,7 @@ def work_with(
     the start or end) in turn and whose dataplane answers the pair's path from `now`."""
     work = GangWork.__new__(GangWork)
     work.node = "a"
+    work.probing = set()
     runs: list[str] = []
 
     async def member(gang: str, epoch: int) -> tuple[Any, Any]:
