@@ -12,61 +12,8 @@ from collections.abc import Awaitable, Callable
 from libs.runtime.tasks import TaskSet
 
 
-class WorkQueue:
-    def __init__(
-        self, work: Callable[[str], Awaitable[None]], workers: int, log: logging.Logger
-    ) -> None:
-        self._work = work
-        self._log = log
-        self._workers = workers
-        self._queue: asyncio.Queue[str] = asyncio.Queue()
-        self._queued: set[str] = set()
-        self._running: set[str] = set()
-        self._rerun: set[str] = set()
-        self._tasks = TaskSet(f"{log.name} workers", log)
-
-    @property
-    def idle(self) -> bool:
-        """No key waits and none is being worked on."""
-        return not self._queued and not self._running
-
-    def working_on(self, key: str) -> bool:
-        return key in self._running
-
-    def mark(self, key: str) -> None:
-        if key in self._running:
-            self._rerun.add(key)
-        elif key not in self._queued:
-            self._queued.add(key)
-            self._queue.put_nowait(key)
-
-    def start(self) -> None:
-        for index in range(self._workers):
-            self._tasks.spawn(self._worker(), name=f"worker {index}")
-
-    async def stop(self) -> None:
-        await self._tasks.close()
-
-    async def _worker(self) -> None:
-        while True:
-            key = await self._queue.get()
-            self._queued.discard(key)
-            self._running.add(key)
-            try:
-                await self._work(key)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                self._log.exception("working on %s failed; the next mark tries again", key)
-            finally:
-                self._running.discard(key)
-                if key in self._rerun:
-                    self._rerun.discard(key)
-                    self.mark(key)
-
-
 class BatchWorkQueue:
-    """A WorkQueue whose workers take every key waiting (up to `batch`) at once: work that is
+    """A work queue whose workers take every key waiting (up to `batch`) at once: work that is
     cheaper together (the placer plans a batch of jobs against one view and writes their
     records in one round trip per step). The same rules per key: queued once, one worker at a
     time has it, marked while worked on means worked on again right after."""
@@ -123,7 +70,7 @@ class BatchWorkQueue:
                 raise
             except Exception:
                 self._log.exception(
-                    "working on %d keys failed; the next mark tries again", len(keys)
+                    "working on %s failed; the next mark tries again", ", ".join(keys)
                 )
             finally:
                 self._running.difference_update(keys)
@@ -131,3 +78,15 @@ class BatchWorkQueue:
                     if key in self._rerun:
                         self._rerun.discard(key)
                         self.mark(key)
+
+
+class WorkQueue(BatchWorkQueue):
+    """One key at a time (a BatchWorkQueue of batches of one)."""
+
+    def __init__(
+        self, work: Callable[[str], Awaitable[None]], workers: int, log: logging.Logger
+    ) -> None:
+        async def one(keys: list[str]) -> None:
+            await work(keys[0])
+
+        super().__init__(one, workers, 1, log)
