@@ -153,20 +153,6 @@ class Committer:
         record = self._epoch_record(job, plan, records, epoch, mesh, t, slots)
         return Placement(current, plan, mesh, exclusions, record, lease, slots)
 
-    async def commit(
-        self,
-        current: Versioned[Job],
-        plan: Plan,
-        mesh: MeshIdentity,
-        exclusions: Exclusions,
-        epoch: int,
-    ) -> None:
-        """Commit one plan (see `commit_all`); a race lost raises LostRace."""
-        placement = self.prepare(current, plan, mesh, exclusions, epoch)
-        await self.commit_all([placement])
-        if placement.lost:
-            raise LostRace
-
     async def commit_all(self, placements: list[Placement]) -> None:
         """Commit prepared plans together, each in its order: the machines (and on Relayed the
         addresses), the epoch, the members' join keys, then the job says Placed. Each step is
