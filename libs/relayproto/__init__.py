@@ -14,6 +14,7 @@ from libs.relayproto.frames import (
     Hello,
     Home,
     MeshHello,
+    Message,
     Ping,
     Pong,
     PresenceDump,
@@ -23,6 +24,7 @@ from libs.relayproto.frames import (
     Sent,
     Welcome,
     encode,
+    parts,
     wireguard_type,
 )
 
@@ -38,6 +40,7 @@ __all__ = [
     "Hello",
     "Home",
     "MeshHello",
+    "Message",
     "Ping",
     "Pong",
     "PresenceDump",
@@ -49,6 +52,7 @@ __all__ = [
     "encode",
     "member_proof",
     "mesh_proof",
+    "parts",
     "wireguard_type",
     "x25519_public",
 ]

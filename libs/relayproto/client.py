@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.relayproto.auth import member_proof
-from libs.relayproto.connection import DEAD_AFTER, Connection
+from libs.relayproto.connection import DEAD_AFTER, Connection, open_connection
 from libs.relayproto.frames import (
     Absent,
     Challenge,
@@ -22,6 +22,7 @@ from libs.relayproto.frames import (
     FrameError,
     Hello,
     Home,
+    Message,
     Ping,
     Pong,
     PresenceDump,
@@ -30,6 +31,7 @@ from libs.relayproto.frames import (
     Send,
     Sent,
     encode,
+    parts,
 )
 from libs.relayproto.handshake import HandshakeRefused
 
@@ -46,7 +48,7 @@ class RelayClient:
         node: str,
         wg_private: bytes,
         wg_public: bytes,
-        on_message: Callable[[bytes, bytes], None],
+        on_message: Callable[[bytes, Message], None],
         on_presence: Callable[[RelayClient], None] | None = None,
         on_batch_end: Callable[[], None] | None = None,
         takes_totals: bool = False,
@@ -71,10 +73,7 @@ class RelayClient:
     async def connect(self, timeout: float = 5.0) -> None:
         """Raises OSError, TimeoutError, FrameError, or NodusError when the relay refuses."""
         host, _, port = self.address.rpartition(":")
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host.strip("[]"), int(port)), timeout
-        )
-        conn = Connection(reader, writer)
+        conn = await open_connection(host.strip("[]"), int(port), timeout)
 
         def hello(challenge: Challenge) -> Hello:
             proof = member_proof(
@@ -178,19 +177,23 @@ class RelayClient:
         if self.on_presence is not None:
             self.on_presence(self)
 
-    def send_now(self, dst: bytes, message: bytes) -> bool:
+    def send_now(self, dst: bytes, message: Message | bytearray) -> bool:
         """Queue a WireGuard message without waiting; False when this relay is down (the
         link resends what the peer did not acknowledge)."""
         conn = self.conn
-        return conn is not None and conn.send_nowait(encode(Send(dst, message)))
+        return conn is not None and conn.send_nowait(Send(dst, message))
 
-    def send_many(self, messages: list[tuple[bytes, bytes]], sent: int | None = None) -> bool:
+    def send_many(
+        self, messages: list[tuple[bytes, bytes | bytearray]], sent: int | None = None
+    ) -> bool:
         """Queue several WireGuard messages in one write (one system call, not one each),
         then, when given, the member's count of what its programs sent so far (`Sent`)."""
         conn = self.conn
         if conn is None:
             return False
-        frames = [encode(Send(d, m)) for d, m in messages]
+        frames: list[Message] = []
+        for dst, message in messages:
+            frames += parts(Send(dst, message))
         if sent is not None and self.takes_totals:
             frames.append(encode(Sent(sent)))
         return conn.send_all(frames)

@@ -15,13 +15,23 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import deque
+from collections.abc import Callable
 from enum import Enum
+from typing import cast
 
-from libs.relayproto.frames import ErrorFrame, Frame, FrameDecoder, Ping, Welcome, encode
+from libs.relayproto.frames import (
+    ErrorFrame,
+    Frame,
+    FrameDecoder,
+    FrameError,
+    Message,
+    Ping,
+    Welcome,
+    parts,
+)
 from libs.relayproto.handshake import AcceptorHandshake, Answer, DialerHandshake
 
-READ_SIZE = 256 * 1024
+READ_SIZE = 256 * 1024  # decoded bytes held unread before the socket is no longer read
 HIGH_WATER = 1 << 20  # bytes queued to one connection before `send` waits
 HANDSHAKE_TIMEOUT = 5.0
 PING_INTERVAL = 1.0
@@ -34,59 +44,115 @@ class Offered(Enum):
     CLOSED = "destination_closed"
 
 
-class Connection:
-    """One TCP connection: framed writes that never raise, framed reads in arrival order."""
+class Connection(asyncio.Protocol):
+    """One TCP connection: framed writes that never raise, framed reads in arrival order.
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
+    It is the transport's protocol itself, not a stream on top of one: each read is decoded
+    where it landed (a message is a view of it, see frames.py), where a stream reader would
+    copy every byte into its buffer and out again. Reading pauses while more than READ_SIZE
+    decoded bytes wait for `read_frames` (backpressure: a relay that waits for a member's
+    token bucket stops reading its socket). Make one with `open_connection` or `serve`."""
+
+    def __init__(self, on_made: Callable[[Connection], object] | None = None) -> None:
+        self.transport: asyncio.Transport | None = None
         self.decoder = FrameDecoder()
         self.closed = False
-        self._pending: deque[Frame] = deque()  # read, not yet handed to the session
         self.heard = time.monotonic()  # when the peer last sent anything
         self.silent = False  # ended by `keep_alive`: the peer fell silent
+        self._on_made = on_made
+        self._frames: list[Frame] = []  # read, not yet handed to the session
+        self._unread = 0  # bytes behind them
+        self._reading_paused = False
+        self._ended: BaseException | None = None  # why no more frames come: EOF, reset, garbage
+        self._readable: asyncio.Future[None] | None = None
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    # -- the transport's callbacks -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         try:
-            writer.transport.set_write_buffer_limits(high=HIGH_WATER)
+            self.transport.set_write_buffer_limits(high=HIGH_WATER)
         except RuntimeError:  # uvloop: the peer reset the connection before it was framed
             self.closed = True
-        # The stream's "closed" future holds the reset that ended it. Reads get the same
-        # error and handle it; nothing else awaits this future, so asyncio would log it at
-        # exit as "never retrieved": take it here.
-        closed = asyncio.ensure_future(writer.wait_closed())
-        closed.add_done_callback(_taken)
+        if self._on_made is not None:
+            self._on_made(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.heard = time.monotonic()
+        if self._ended is not None:
+            return
+        try:
+            self._frames += self.decoder.feed(data)
+        except FrameError as error:
+            self._end(error)
+            return
+        self._unread += len(data)
+        if self._unread > READ_SIZE and not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._end(ConnectionResetError("closed by peer"))
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._end(exc if exc is not None else ConnectionResetError("closed by peer"))
+        self._writable.set()  # a writer waiting to drain finds the connection closed
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    def _end(self, why: BaseException) -> None:
+        if self._ended is None:
+            self._ended = why
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._readable is not None and not self._readable.done():
+            self._readable.set_result(None)
 
     # -- writing -------------------------------------------------------------------------------
 
     @property
     def backlog(self) -> int:
         """Bytes written but not yet taken by the kernel."""
-        if self.closed:
+        if self.closed or self.transport is None:
             return 0
-        return self.writer.transport.get_write_buffer_size()
+        return self.transport.get_write_buffer_size()
 
     def send_nowait(self, frame: Frame | bytes) -> bool:
         """Queue a frame (or an encoded one); False when the connection is gone."""
-        return self.send_all([frame if isinstance(frame, bytes) else encode(frame)])
+        return self.send_all([frame] if isinstance(frame, bytes) else parts(frame))
 
-    def send_all(self, encoded: list[bytes]) -> bool:
-        """Queue encoded frames in one write; False when the connection is gone."""
-        if self.closed or self.writer.transport.is_closing():
+    def send_all(self, encoded: list[Message]) -> bool:
+        """Queue encoded frames (or their parts) in one write; False when the connection is
+        gone."""
+        transport = self.transport
+        if self.closed or transport is None or transport.is_closing():
             self.closed = True
             return False
         try:
-            self.writer.writelines(encoded)
+            transport.writelines(encoded)
         except (RuntimeError, OSError):  # closed between the check and the write
             self.closed = True
             return False
         return True
 
-    def offer_all(self, encoded: list[bytes], limit: int) -> Offered:
+    def offer_all(self, encoded: list[Message], limit: int) -> Offered:
         """Queue encoded frames in one write, unless `limit` bytes already wait for this
         peer: a full or gone peer is reported, never waited for."""
-        if self.closed or self.writer.transport.is_closing():
+        transport = self.transport
+        if self.closed or transport is None or transport.is_closing():
             self.closed = True
             return Offered.CLOSED
-        if self.writer.transport.get_write_buffer_size() > limit:
+        if transport.get_write_buffer_size() > limit:
             return Offered.FULL
         return Offered.SENT if self.send_all(encoded) else Offered.CLOSED
 
@@ -98,27 +164,28 @@ class Connection:
         return not self.closed
 
     async def drain(self) -> None:
-        if self.closed or self.writer.transport.get_write_buffer_size() <= HIGH_WATER:
-            return
-        try:
-            await self.writer.drain()
-        except (ConnectionError, RuntimeError):
-            self.closed = True
+        """Wait while more than HIGH_WATER bytes are queued (until the connection ends)."""
+        while not self.closed and self.backlog > HIGH_WATER:
+            self._writable.clear()
+            await self._writable.wait()
 
     # -- reading -------------------------------------------------------------------------------
 
     async def read_frames(self) -> list[Frame]:
         """The next frames, in arrival order (those that came with the handshake first).
-        Raises ConnectionResetError at EOF and FrameError on malformed input."""
-        if self._pending:
-            frames = list(self._pending)
-            self._pending.clear()
-            return frames
-        data = await self.reader.read(READ_SIZE)
-        if not data:
-            raise ConnectionResetError("closed by peer")
-        self.heard = time.monotonic()
-        return self.decoder.feed(data)
+        Raises ConnectionResetError at EOF (or the error that ended the connection) and
+        FrameError on malformed input, once every frame before it was handed out."""
+        while not self._frames:
+            if self._ended is not None:
+                raise self._ended
+            self._readable = asyncio.get_running_loop().create_future()
+            await self._readable
+        frames, self._frames = self._frames, []
+        self._unread = 0
+        if self._reading_paused and self.transport is not None and not self.closed:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        return frames
 
     async def keep_alive(self) -> None:
         """Ping the peer every PING_INTERVAL while someone reads this connection; when it has
@@ -144,7 +211,7 @@ class Connection:
                     reply = handshake.receive(frame)
                     if reply is not None:
                         self.send_nowait(reply)
-        self._pending.extend(handshake.take_session_frames())
+        self._frames[:0] = handshake.take_session_frames()
         assert handshake.welcome is not None
         return handshake.welcome
 
@@ -158,32 +225,52 @@ class Connection:
             while not handshake.established:
                 for frame in await self.read_frames():
                     handshake.receive(frame)
-        self._pending.extend(handshake.take_session_frames())
+        self._frames[:0] = handshake.take_session_frames()
         return handshake
 
     async def refuse(self, code: str, message: str) -> None:
         """The acceptor's refusal: an ErrorFrame, given at most a second to leave."""
         if self.send_nowait(ErrorFrame(code, message)):
             try:
-                await asyncio.wait_for(self.writer.drain(), 1.0)
-            except (ConnectionError, TimeoutError, RuntimeError):
+                await asyncio.wait_for(self.drain(), 1.0)
+            except TimeoutError:
                 pass
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-        if not self.writer.transport.is_closing():
-            self.writer.close()
+        """Close after what is queued was written."""
+        self.closed = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
 
     def abort(self) -> None:
         """Drop the connection now, without flushing (a relay that is told to die)."""
         self.closed = True
-        self.writer.transport.abort()
+        if self.transport is not None:
+            self.transport.abort()
 
 
-def _taken(future: asyncio.Future[None]) -> None:
-    if not future.cancelled():
-        future.exception()
+async def open_connection(
+    host: str,
+    port: int,
+    timeout: float | None = None,
+    factory: type[Connection] = Connection,
+) -> Connection:
+    """Dial a relay; raises OSError or TimeoutError."""
+    loop = asyncio.get_running_loop()
+    _, conn = await asyncio.wait_for(loop.create_connection(factory, host, port), timeout)
+    return conn
+
+
+async def serve(
+    accepted: Callable[[Connection], object],
+    host: str,
+    port: int,
+    factory: type[Connection] = Connection,
+) -> asyncio.Server:
+    """Listen; `accepted` is called with each new connection (it starts the task that reads
+    it, and the handshake)."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: factory(on_made=accepted), host, port)
 
 
 def split_address(address: str) -> tuple[str, int]:

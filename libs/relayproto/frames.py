@@ -4,6 +4,10 @@ Member <-> relay:  Challenge (relay first), Hello, Welcome, Send, Recv, Ping, Po
                    Home, Sent.
 Relay <-> relay:   Challenge, MeshHello, PresenceDump, Present, Absent, Forward, Ping, Pong.
 The only payload a relay carries between members is a WireGuard message (types 1-4, G16).
+
+Bulk bytes are not copied here (the relayed path's hot path): a decoded message is a read-only
+view of the bytes the connection read, and a message frame is written as its header and that
+view (`parts`), so a relay hands a member's message on without copying it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ KEY = 32
 _LEN = struct.Struct(">I")
 _U16 = struct.Struct(">H")
 _U64 = struct.Struct(">Q")
+_HEAD = struct.Struct(">IB")  # length, type
+
+Message = bytes | bytearray | memoryview  # a WireGuard message: a view of what was read, or bytes
 
 
 class FrameError(ValueError):
@@ -50,13 +57,13 @@ class Welcome:
 @dataclass(frozen=True, slots=True)
 class Send:
     dst: bytes
-    message: bytes
+    message: Message
 
 
 @dataclass(frozen=True, slots=True)
 class Recv:
     src: bytes
-    message: bytes
+    message: Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +126,7 @@ class Absent:
 class Forward:
     src: bytes
     dst: bytes
-    message: bytes
+    message: Message
 
 
 Frame = (
@@ -146,7 +153,7 @@ T_CHALLENGE, T_HELLO, T_WELCOME, T_SEND, T_RECV, T_PING, T_PONG, T_ERROR, T_HOME
 T_MESH_HELLO, T_PRESENCE_DUMP, T_PRESENT, T_ABSENT, T_FORWARD = range(16, 21)
 
 
-def wireguard_type(message: bytes | memoryview) -> int | None:
+def wireguard_type(message: Message) -> int | None:
     """The WireGuard message type if `message` is shaped like one, else None (G16)."""
     return message_type(message)
 
@@ -158,11 +165,31 @@ def _str(text: str) -> bytes:
     return _U16.pack(len(raw)) + raw
 
 
-def _frame(kind: int, *parts: bytes) -> bytes:
+def _frame(kind: int, *parts: Message) -> bytes:
     length = 1 + sum(len(p) for p in parts)
     if length > MAX_FRAME:
         raise FrameError(f"frame of {length} bytes exceeds {MAX_FRAME}")
     return b"".join((_LEN.pack(length), bytes((kind,)), *parts))
+
+
+def _message_head(kind: int, keys: bytes, message: Message) -> bytes:
+    length = 1 + len(keys) + len(message)
+    if length > MAX_FRAME:
+        raise FrameError(f"frame of {length} bytes exceeds {MAX_FRAME}")
+    return _HEAD.pack(length, kind) + keys
+
+
+def parts(frame: Frame) -> list[Message]:
+    """The frame's encoding in pieces to write one after the other: a message frame is its
+    header and the message itself, not a copy of it."""
+    match frame:
+        case Send(dst, message):
+            return [_message_head(T_SEND, dst, message), message]
+        case Recv(src, message):
+            return [_message_head(T_RECV, src, message), message]
+        case Forward(src, dst, message):
+            return [_message_head(T_FORWARD, src + dst, message), message]
+    return [encode(frame)]
 
 
 def encode(frame: Frame) -> bytes:
@@ -236,15 +263,20 @@ class _Reader:
 
 
 def _decode(kind: int, body: memoryview) -> Frame:
+    """One frame; a message frame's message is `body`'s own view (the caller's bytes must not
+    change: they are immutable bytes)."""
+    if kind == T_SEND or kind == T_RECV:
+        if len(body) < KEY:
+            raise FrameError("frame body too short")
+        key = bytes(body[:KEY])
+        return Send(key, body[KEY:]) if kind == T_SEND else Recv(key, body[KEY:])
+    if kind == T_FORWARD:
+        if len(body) < 2 * KEY:
+            raise FrameError("frame body too short")
+        return Forward(bytes(body[:KEY]), bytes(body[KEY : 2 * KEY]), body[2 * KEY :])
     r = _Reader(body)
     frame: Frame
-    if kind == T_SEND:
-        frame = Send(r.take(KEY), r.rest())
-    elif kind == T_RECV:
-        frame = Recv(r.take(KEY), r.rest())
-    elif kind == T_FORWARD:
-        frame = Forward(r.take(KEY), r.take(KEY), r.rest())
-    elif kind == T_CHALLENGE:
+    if kind == T_CHALLENGE:
         frame = Challenge(r.take(KEY), r.take(32))
     elif kind == T_HELLO:
         frame = Hello(r.string(), r.u64(), r.string(), r.take(KEY), r.take(32))
@@ -279,33 +311,59 @@ def _decode(kind: int, body: memoryview) -> Frame:
 
 
 class FrameDecoder:
-    """Feed bytes as they arrive; get whole frames. Raises FrameError on malformed input."""
+    """Feed bytes as they arrive; get whole frames. Raises FrameError on malformed input.
+
+    Frames that arrive whole in one read are decoded in place (their messages are views of
+    that read); only a frame split between reads is copied, once, to join its halves."""
 
     def __init__(self, max_frame: int = MAX_FRAME) -> None:
-        self._buffer = bytearray()
+        self._buffer = bytearray()  # the start of a frame the last read did not complete
         self._max = max_frame
 
-    def feed(self, data: bytes) -> list[Frame]:
-        buffer = self._buffer
-        buffer += data
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        if type(data) is not bytes:
+            data = bytes(data)  # views must not see a caller's buffer change under them
         frames: list[Frame] = []
         at = 0
-        view = memoryview(buffer)
-        try:
-            while len(buffer) - at >= 5:
-                (length,) = _LEN.unpack_from(buffer, at)
-                if length < 1 or length > self._max:
-                    raise FrameError(f"frame length {length} out of range")
-                if len(buffer) - at - 4 < length:
-                    break
-                kind = buffer[at + 4]
-                frames.append(_decode(kind, view[at + 5 : at + 4 + length]))
-                at += 4 + length
-        finally:
-            view.release()
-        if at:
-            del buffer[:at]
+        if self._buffer:
+            at = self._complete(data, frames)
+            if self._buffer:
+                return frames
+        view = memoryview(data)
+        end = len(data)
+        limit = self._max
+        while end - at >= 5:
+            length, kind = _HEAD.unpack_from(data, at)
+            if length < 1 or length > limit:
+                raise FrameError(f"frame length {length} out of range")
+            if end - at - 4 < length:
+                break
+            frames.append(_decode(kind, view[at + 5 : at + 4 + length]))
+            at += 4 + length
+        if at < end:
+            self._buffer += view[at:]
         return frames
+
+    def _complete(self, data: bytes, frames: list[Frame]) -> int:
+        """Finish the split frame from the head of `data`: how many bytes of it were used."""
+        buffer = self._buffer
+        at = 0
+        if len(buffer) < 4:
+            at = min(4 - len(buffer), len(data))
+            buffer += data[:at]
+            if len(buffer) < 4:
+                return at
+        length: int = _LEN.unpack_from(buffer)[0]
+        if length < 1 or length > self._max:
+            raise FrameError(f"frame length {length} out of range")
+        take = min(4 + length - len(buffer), len(data) - at)
+        buffer += memoryview(data)[at : at + take]
+        at += take
+        if len(buffer) == 4 + length:
+            whole = bytes(buffer)
+            buffer.clear()
+            frames.append(_decode(whole[4], memoryview(whole)[5:]))
+        return at
 
     @property
     def buffered(self) -> int:

@@ -52,8 +52,10 @@ class OpenResult:
 
 @dataclass(frozen=True, slots=True)
 class Data:
+    """Bytes the peer sent on the stream: a view of the payload they came in (not a copy)."""
+
     stream: int
-    data: bytes
+    data: memoryview
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +166,7 @@ class Link:
             return 0
         view = memoryview(data)
         for at in range(0, taken, self.chunk):
-            self._queue(DATA, stream, bytes(view[at : min(taken, at + self.chunk)]))
+            self._queue(DATA, stream, view[at : min(taken, at + self.chunk)])
         state.credit -= taken
         return taken
 
@@ -276,7 +278,9 @@ class Link:
     def unacked(self) -> int:
         return len(self._unacked)
 
-    def receive(self, payload: bytes, now: float = 0.0) -> list[Event]:
+    def receive(self, payload: bytes | bytearray, now: float = 0.0) -> list[Event]:
+        """The events of one payload. `Data` events are views of `payload`: the caller leaves
+        it unchanged from then on."""
         events: list[Event] = []
         view = memoryview(payload)
         at = 0
@@ -308,8 +312,8 @@ class Link:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _queue(self, kind: int, stream: int, body: bytes) -> None:
-        message = HEADER.pack(kind, self._next_seq, stream, len(body)) + body
+    def _queue(self, kind: int, stream: int, body: bytes | memoryview) -> None:
+        message = b"".join((HEADER.pack(kind, self._next_seq, stream, len(body)), body))
         self._unacked.append((self._next_seq, message))
         self._inflight += len(message)
         self._next_seq = (self._next_seq + 1) % SEQ_MOD
@@ -353,7 +357,7 @@ class Link:
                 )
         elif kind == DATA:
             if state is not None:
-                events.append(Data(stream, bytes(body)))
+                events.append(Data(stream, body))
         elif kind == CREDIT:
             if state is not None and len(body) == 4:
                 had = state.credit

@@ -33,7 +33,7 @@ from libs.relayproto import (
     Welcome,
     mesh_proof,
 )
-from libs.relayproto.connection import DEAD_AFTER, Connection, split_address
+from libs.relayproto.connection import DEAD_AFTER, Connection, open_connection, split_address
 from libs.relayproto.handshake import HandshakeRefused
 from services.relay.metrics import DROPPED, MESH_LOSSES, MESH_PEERS, REFUSED
 from services.relay.reading import read_frames
@@ -140,10 +140,7 @@ class Mesh:
         while True:
             conn: Connection | None = None
             try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, port), DIAL_TIMEOUT
-                )
-                conn = Connection(reader, writer)
+                conn = await open_connection(host, port, DIAL_TIMEOUT, factory=Connection)
                 welcome = await conn.dial(hello)
                 peer.name = welcome.relay
                 peer.conn = conn

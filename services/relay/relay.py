@@ -26,6 +26,7 @@ from libs.relayproto import (
     Hello,
     Home,
     MeshHello,
+    Message,
     Ping,
     Pong,
     PresenceDump,
@@ -34,12 +35,12 @@ from libs.relayproto import (
     Send,
     Sent,
     Welcome,
-    encode,
     member_proof,
+    parts,
     wireguard_type,
     x25519_public,
 )
-from libs.relayproto.connection import DEAD_AFTER, Connection, Offered
+from libs.relayproto.connection import DEAD_AFTER, Connection, Offered, serve
 from libs.runtime.tasks import TaskSet
 from libs.runtime.version import VERSION
 from libs.wg.messages import carried_bytes
@@ -60,7 +61,6 @@ from services.relay.reading import read_frames
 from services.relay.stun import StunServer
 
 log = logging.getLogger("nodus.relay")
-READ_SIZE = 256 * 1024
 
 
 @dataclass
@@ -72,8 +72,10 @@ class MemberSession:
     label: tuple[str, str] = ("", "")
     # The session's own counter child: no label lookup per forwarded frame (the hot path).
     bytes_out: Any = None
-    # Frames routed to this member during the read being handled, written at its end.
-    outbox: list[bytes] = field(default_factory=list)
+    # Frames routed to this member during the read being handled, written at its end: each
+    # a header and the message (a view of what the sender's read brought, not a copy).
+    outbox: list[Message] = field(default_factory=list)
+    outbox_frames: int = 0
     outbox_bytes: int = 0
     # Bytes queued to this member before what else is meant for it is dropped (counted): more
     # than the other members' links keep in flight to it (C3, from the gang's size), so only a
@@ -137,10 +139,8 @@ class Relay:
     async def start(self) -> None:
         await self.membership.start()
         self.membership.on_fence.append(self._fence)
-        self.server = await asyncio.start_server(
-            lambda reader, writer: self._handlers.spawn(self._accept(reader, writer)),
-            *self.listen,
-            limit=READ_SIZE,
+        self.server = await serve(
+            lambda conn: self._handlers.spawn(self._accept(conn)), *self.listen, factory=Connection
         )
         if self.listen[1] == 0:
             self.listen = (self.listen[0], self.server.sockets[0].getsockname()[1])
@@ -186,10 +186,9 @@ class Relay:
 
     # -- connections ---------------------------------------------------------------------------
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accept(self, conn: Connection) -> None:
         """One connection's whole life. What goes wrong here belongs to this connection: it
         is counted and the connection closed; no other session is touched."""
-        conn = Connection(reader, writer)
         try:
             handshake = await conn.accept(self.public_key)
             hello = handshake.hello
@@ -300,7 +299,7 @@ class Relay:
                     DROPPED.labels("mesh_closed").inc()  # the link dropped as we forwarded
 
     def _route(
-        self, src: bytes, dst: bytes, message: bytes, from_mesh: bool = False
+        self, src: bytes, dst: bytes, message: Message, from_mesh: bool = False
     ) -> Connection | None:
         """Deliver to a member homed here without waiting for it; returns the mesh link to
         forward on when the destination is on another relay."""
@@ -312,7 +311,8 @@ class Relay:
             return None
         local = self.sessions.get(dst)
         if local is not None:
-            local.outbox.append(encode(Recv(src, message)))
+            local.outbox += parts(Recv(src, message))
+            local.outbox_frames += 1
             local.outbox_bytes += len(message)
             self._touched.append(local)
             return None
@@ -330,14 +330,14 @@ class Relay:
         for local in touched:
             if not local.outbox:
                 continue
-            frames, size = local.outbox, local.outbox_bytes
-            local.outbox, local.outbox_bytes = [], 0
-            offered = local.conn.offer_all(frames, local.queue_limit)
+            pieces, frames, size = local.outbox, local.outbox_frames, local.outbox_bytes
+            local.outbox, local.outbox_frames, local.outbox_bytes = [], 0, 0
+            offered = local.conn.offer_all(pieces, local.queue_limit)
             if offered is Offered.SENT:
                 local.bytes_out.inc(size)
             else:
-                DROPPED.labels(offered.value).inc(len(frames))
-                DESTINATION_DROPS.labels(*local.label, offered.value).inc(len(frames))
+                DROPPED.labels(offered.value).inc(frames)
+                DESTINATION_DROPS.labels(*local.label, offered.value).inc(frames)
 
     def _fence(self, gang: str, epoch: int) -> None:
         """G9: a fenced epoch's sessions are closed; its frames are dropped from now on."""

@@ -14,10 +14,13 @@ runner's own probe (a short throughput sample through the same tunnels, reported
               direct       a TCP connection from A's address straight to B's (the ceiling)
               socat        through one `socat TCP-LISTEN:..,fork,reuseaddr TCP:..` (a plain relay)
               socat_chain  through as many socat hops as the Relayed path has processes
-                           (2 agents + the relays the two members are homed on)
+                           (the 2 members' dataplanes + the relays that carried a short
+                           A -> B stream, measured from their written bytes: a relay
+                           delivers straight to a member connected to it, so usually one)
               relayed      through agent A's SOCKS5 entry, the relays, agent B's tunnel
             Goodput (Mbit/s), CPU seconds per Gbit of the processes that carry the bytes
-            (socat processes and their forked children; both agents and both relays), and
+            (socat processes and their forked children; both agents, the dataplanes they
+            run the tunnels in, and both relays), and
             this harness's own CPU per Gbit. Then both ways at once through the relays.
   cap on    16 machines: 8 containers + 8 VMs, each container/VM pair with an accelerator
             model only that pair has, so the 8 jobs (`members: 2`, `transport: Auto`) land on
@@ -82,6 +85,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--failover-seconds", type=float, default=10.0, help="failover: length of the stream"
     )
+    parser.add_argument(
+        "--only",
+        choices=("cap-off", "cap-on"),
+        help="run one of the two systems (a partial run: it reports but never completes)",
+    )
     add_run_flags(parser, 900.0, "2 s streams, 1 round (smoke)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -127,8 +135,10 @@ async def run_async(args: argparse.Namespace, state: Path) -> dict[str, Any]:
     }
     bench = Bench(args, state)
     try:
-        result["cap_off"] = await cap_off(bench)
-        result["cap_on"] = await cap_on(bench)
+        if args.only != "cap-on":
+            result["cap_off"] = await cap_off(bench)
+        if args.only != "cap-off":
+            result["cap_on"] = await cap_on(bench)
     finally:
         await bench.down()
         result["machine"]["loadavg_at_end"] = os.getloadavg()

@@ -29,16 +29,34 @@ from tests.bench.relay_streams import (
 )
 from tests.bench.relay_system import Bench, Gang, log
 from tests.bench.running import sleep_until
+from tests.bench.sampling import written_bytes
 
 POLL = 0.02  # seconds between `epochs` requests while waiting for a member to move
+
+
+async def relays_carrying(bench: Bench, gang: Gang, sink: Any) -> list[str]:
+    """The relays that wrote at least half of what a short A -> B stream delivered."""
+    relays = {r: bench.pids(r) for r in ("relay-0", "relay-1")}
+    before = {r: sum(written_bytes(p) for p in pids) for r, pids in relays.items()}
+    measure = await stream(
+        [FlowSpec("a_to_b", sink, bench.via_socks(gang.socks[0]))], 1.5, 0.5, procs={}
+    )
+    delivered = sum(f["received_bytes"] for f in measure["flows"].values())
+    wrote = {r: sum(written_bytes(p) for p in pids) - before[r] for r, pids in relays.items()}
+    log(f"cap off: relays wrote {wrote} while {delivered} bytes were delivered A -> B")
+    return sorted(r for r, n in wrote.items() if n >= delivered / 2)
 
 
 async def cap_off(bench: Bench) -> dict[str, Any]:
     [gang] = await bench.up("cap-off", 1, ["--no-rate-limit"])
     assert gang.sinks is not None
     sink_b = gang.sinks[1]
-    relays_used = len({h for h in gang.homes.values()})
-    hops = 2 + relays_used
+    # The chain gets as many hops as processes the relayed bytes pass through: both members'
+    # dataplanes and the relays that carry them, as measured (a relay delivers straight to a
+    # member connected to it, home or not, so one relay may carry a stream both members'
+    # homes differ on).
+    carrying = await relays_carrying(bench, gang, sink_b)
+    hops = 2 + len(carrying)
     port1, socat1 = await bench.socat_chain(1, sink_b)
     port_n, socat_n = await bench.socat_chain(hops, sink_b)
     await asyncio.sleep(0.2)  # let the probes' forked children exit
@@ -81,6 +99,7 @@ async def cap_off(bench: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {
         "homes": gang.homes,
         "gang": gang.lifecycle,
+        "relays_carrying_a_to_b": carrying,
         "socat_chain_hops": hops,
     }
     for path, measures in runs.items():

@@ -24,7 +24,7 @@ from libs.contracts.jobs import Job, Phase
 from libs.contracts.lifecycle import JoinedEpochsReply, JoinedEpochsRequest
 from tests.bench.relay_streams import READ, FlowSpec, Opener, Sink, stream
 from tests.bench.running import progress
-from tests.bench.sampling import kill_left_behind, spawned_below
+from tests.bench.sampling import descendants, is_dataplane, kill_left_behind, spawned_below
 from tests.factories import job
 from tests.socks_client import socks_connect
 
@@ -249,7 +249,13 @@ class Bench:
         return [c.process.pid for c in self.system.children if c.name in names_]
 
     def gang_procs(self, gang: Gang) -> dict[str, list[int]]:
-        procs = {f"agent-{n}": self.pids(f"agent-{n}") for n in gang.nodes}
+        """The processes that carry a gang's bytes: each member's agent and the dataplane it
+        runs the tunnel in (a process of its own, below the agent), and both relays."""
+        procs: dict[str, list[int]] = {}
+        for node in gang.nodes:
+            agent = self.pids(f"agent-{node}")
+            procs[f"agent-{node}"] = agent
+            procs[f"dataplane-{node}"] = [p for p in descendants(agent) if is_dataplane(p)]
         procs |= {r: self.pids(r) for r in ("relay-0", "relay-1")}
         return procs
 

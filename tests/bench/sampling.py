@@ -55,6 +55,26 @@ def descendants(roots: list[int]) -> list[int]:
     return out
 
 
+def written_bytes(pid: int) -> int:
+    """Bytes the process has written (to sockets, files, pipes) since it started; 0 once gone."""
+    try:
+        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def is_dataplane(pid: int) -> bool:
+    """A member's dataplane process (`python -m services.agent.dataplane`)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"services.agent.dataplane" in args
+
+
 def cpu_seconds(groups: dict[str, list[int]], tree: bool = False) -> dict[str, float]:
     """CPU (user + system) of each group of processes; with `tree`, of their live
     descendants too (socat forks a child per connection)."""

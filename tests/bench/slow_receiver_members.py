@@ -129,7 +129,7 @@ class Node:
                 self.name,
                 self.private,
                 self.public,
-                lambda src, msg: self.on_message(src, msg),
+                lambda src, msg: self.on_message(src, bytes(msg)),
             )
             try:
                 await client.connect()

@@ -138,7 +138,7 @@ class Node:
             self.name,
             self.private,
             self.public,
-            lambda src, msg: self.inbox.put_nowait((src, msg)),
+            lambda src, msg: self.inbox.put_nowait((src, bytes(msg))),
             takes_totals=True,
         )
 

@@ -138,7 +138,7 @@ async def test_a_destination_that_is_gone_costs_its_sender_nothing(
     # b's connection closes under the relay while its session is still registered: exactly
     # the moment the old relay raised in. Routing to it must drop, count, and not raise.
     before = metric("nodus_relay_frames_dropped_total", reason="destination_closed")
-    relay.sessions[b.public].conn.writer.transport.abort()
+    relay.sessions[b.public].conn.abort()
     assert relay._route(a.public, b.public, wg_shaped(1000)) is None
     relay._write_out()
     assert metric("nodus_relay_frames_dropped_total", reason="destination_closed") == before + 1

@@ -138,18 +138,13 @@ def relay_io(monkeypatch: pytest.MonkeyPatch) -> Recording:
     base = connection_module.Connection
 
     class RecordingConnection(base):  # type: ignore[misc, valid-type]
-        async def read_frames(self):  # type: ignore[no-untyped-def]
-            data = await self.reader.read(connection_module.READ_SIZE)
-            if not data:
-                raise ConnectionResetError("closed by peer")
+        def data_received(self, data):  # type: ignore[no-untyped-def]
             recording.data += data
-            return self.decoder.feed(data)
+            base.data_received(self, data)
 
-        def send_nowait(self, frame):  # type: ignore[no-untyped-def]
-            from libs.relayproto import encode
-
-            recording.data += frame if isinstance(frame, bytes) else encode(frame)
-            return base.send_nowait(self, frame)
+        def send_all(self, encoded):  # type: ignore[no-untyped-def]
+            recording.data += b"".join(encoded)
+            return base.send_all(self, encoded)
 
     monkeypatch.setattr(relay_module, "Connection", RecordingConnection)
     monkeypatch.setattr(mesh_module, "Connection", RecordingConnection)

@@ -7,35 +7,30 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import uvloop
 
-from libs.relayproto.connection import Connection
+from libs.relayproto.connection import open_connection
 from libs.relayproto.frames import Ping
 
 
-async def _reset_pair() -> tuple[asyncio.StreamReader, asyncio.StreamWriter, asyncio.Server]:
-    """A client connection whose transport the loop has already closed (a reset seen)."""
-
-    async def handle(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.transport.abort()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.transport.abort()
-    await asyncio.sleep(0.05)
-    return reader, writer, server
-
-
-def test_a_connection_reset_before_it_was_framed_reports_closed_and_never_raises() -> None:
+def test_a_connection_the_peer_reset_reports_closed_and_never_raises() -> None:
     async def main() -> None:
-        reader, writer, server = await _reset_pair()
+        async def handle(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.transport.abort()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
         try:
-            conn = Connection(reader, writer)
+            conn = await open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+            assert conn.transport is not None
+            conn.transport.abort()
+            await asyncio.sleep(0.05)
             assert conn.closed
             assert conn.send_nowait(Ping(b"12345678")) is False
             assert conn.backlog == 0
             await conn.drain()
+            with pytest.raises(ConnectionError):
+                await conn.read_frames()
             conn.close()
             conn.abort()
         finally:

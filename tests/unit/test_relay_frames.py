@@ -28,6 +28,7 @@ from libs.relayproto import (
     Send,
     Welcome,
     encode,
+    parts,
 )
 from libs.tunnel import Link, LinkError
 
@@ -68,6 +69,30 @@ def test_any_split_of_the_stream_decodes_the_same(cuts: list[int]) -> None:
         at = cut
     got += decoder.feed(data[at:])
     assert got == FRAMES and decoder.buffered == 0
+
+
+@pytest.mark.parametrize("frame", FRAMES, ids=lambda f: type(f).__name__)
+def test_a_frame_written_in_parts_is_its_encoding(frame: Frame) -> None:
+    assert b"".join(parts(frame)) == encode(frame)
+
+
+def test_a_message_read_whole_is_handed_on_without_a_copy() -> None:
+    """The relayed hot path: a relay forwards what it read, it does not copy each message."""
+    message = WG + os.urandom(60_000)
+    read = encode(Send(KEY, message)) * 3
+    frames = FrameDecoder().feed(read)
+    assert [f.message for f in frames] == [message] * 3  # type: ignore[union-attr]
+    for frame in frames:
+        assert isinstance(frame, Send) and isinstance(frame.message, memoryview)
+        assert frame.message.obj is read and frame.message.readonly
+        assert parts(Recv(KEY, frame.message))[1] is frame.message
+
+
+def test_a_buffer_the_caller_changes_after_feeding_does_not_change_what_was_decoded() -> None:
+    buffer = bytearray(encode(Send(KEY, WG)))
+    [frame] = FrameDecoder().feed(buffer)
+    buffer[-1] ^= 0xFF
+    assert frame == Send(KEY, WG)
 
 
 @settings(max_examples=500, deadline=None)

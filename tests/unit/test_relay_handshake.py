@@ -19,7 +19,7 @@ from libs.relayproto import (
     Welcome,
     encode,
 )
-from libs.relayproto.connection import Connection
+from libs.relayproto.connection import open_connection
 from libs.relayproto.handshake import AcceptorHandshake, DialerHandshake, HandshakeRefused
 
 KEY = b"k" * 32
@@ -74,8 +74,7 @@ async def test_welcome_and_a_forwarded_frame_in_one_read_both_arrive() -> None:
 
     server = await asyncio.start_server(relay, "127.0.0.1", 0)
     async with server:
-        reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
-        conn = Connection(reader, writer)
+        conn = await open_connection(*server.sockets[0].getsockname()[:2])
         welcome = await conn.dial(lambda challenge: HELLO)
         assert welcome.relay == "relay-0"
         assert await conn.read_frames() == [Recv(KEY, MESSAGE)]
@@ -88,9 +87,9 @@ async def test_writes_to_a_closed_connection_report_it_instead_of_raising() -> N
 
     server = await asyncio.start_server(peer, "127.0.0.1", 0)
     async with server:
-        reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
-        conn = Connection(reader, writer)
-        writer.transport.abort()
+        conn = await open_connection(*server.sockets[0].getsockname()[:2])
+        assert conn.transport is not None
+        conn.transport.abort()
         assert conn.send_nowait(Recv(KEY, MESSAGE)) is False
         assert (await conn.send(Recv(KEY, MESSAGE))) is False
         assert conn.offer_all([encode(Recv(KEY, MESSAGE))], 1 << 20).value == "destination_closed"

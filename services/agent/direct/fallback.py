@@ -22,6 +22,7 @@ from typing import cast
 from prometheus_client import Counter
 
 from libs.contracts.bounds import FALLBACK_QUEUE_BYTES
+from libs.relayproto import Message
 from libs.relayproto.client import RelayClient
 from libs.runtime.tasks import TaskSet
 
@@ -118,7 +119,7 @@ class RelayFallback:
             return
         self._sent.inc(len(datagram))
 
-    def _received(self, src: bytes, message: bytes) -> None:
+    def _received(self, src: bytes, message: Message) -> None:
         bridge = self.bridges.get(src)
         if bridge is None or bridge.transport is None:
             return  # a peer of the epoch this member has no pair with yet

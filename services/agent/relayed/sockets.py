@@ -48,7 +48,7 @@ class Bridge:
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # both directions closed
     # Delivered, not yet written: at the end of the relay read, or (bytes the peer sent as soon
     # as it accepted, at most the stream's credit window) once the socket is attached.
-    outbox: list[bytes] = field(default_factory=list)
+    outbox: list[bytes | memoryview] = field(default_factory=list)
     written: int = 0  # delivered bytes written to the socket, not yet granted back
     draining: bool = False
     task: asyncio.Task[None] | None = None
@@ -75,7 +75,7 @@ class LocalSockets:
     def counted(self) -> None:
         self._gauge.set(len(self.bridges))
 
-    def delivered(self, key: tuple[bytes, int], bridge: Bridge, data: bytes) -> None:
+    def delivered(self, key: tuple[bytes, int], bridge: Bridge, data: bytes | memoryview) -> None:
         """The peer sent `data`: written at the end of the relay read (`write_out`), or once
         `splice` attaches the socket."""
         bridge.outbox.append(data)

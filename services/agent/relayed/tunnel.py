@@ -21,6 +21,7 @@ from collections.abc import Collection, Coroutine
 from prometheus_client import Counter
 
 from libs.contracts.bounds import LINK_MAX_INFLIGHT_BYTES, STREAM_WINDOW_BYTES
+from libs.relayproto import Message
 from libs.relayproto.client import RelayClient
 from libs.runtime.tasks import TaskSet, cancel_and_wait
 from libs.socks5 import ReplyCode
@@ -38,7 +39,7 @@ from libs.tunnel import (
 from services.agent.relayed.homing import RelayHome
 from services.agent.relayed.sockets import STREAM_RESETS, Bridge, LocalSockets, Peer
 from services.agent.relayed.timers import Timers
-from services.agent.relayed.wgdevice import WgDevice
+from services.agent.relayed.wgdevice import WgDevice, Wire
 
 log = logging.getLogger("nodus.agent.tunnel")
 
@@ -184,7 +185,7 @@ class Tunnel:
         self._flush_scheduled = False
         home = self.relays.home
         now = time.monotonic()
-        wire: list[tuple[bytes, bytes]] = []
+        wire: Wire = []
         plaintext_size = self.device.plaintext_size
         for peer in self.peers_by_key.values():
             resent, fresh = peer.link.outgoing_parts()
@@ -206,7 +207,7 @@ class Tunnel:
         await relay.drain()
         self._writable.set()
 
-    def _send_wire(self, messages: list[tuple[bytes, bytes]]) -> None:
+    def _send_wire(self, messages: Wire) -> None:
         home = self.relays.home
         if home is None:
             return
@@ -241,7 +242,7 @@ class Tunnel:
 
     # -- receiving -----------------------------------------------------------------------------
 
-    def _on_message(self, src: bytes, message: bytes) -> None:
+    def _on_message(self, src: bytes, message: Message) -> None:
         now = time.monotonic()
         sender = self.peers_by_key.get(src)
         if sender is not None:

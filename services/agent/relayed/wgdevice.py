@@ -11,7 +11,7 @@ from prometheus_client import Counter
 from libs.wg import Delivered, Device, Dropped, HandshakeCompleted, HandshakeFailed, Outgoing
 from libs.wg import Event as WgEvent
 
-Wire = list[tuple[bytes, bytes]]  # (destination key, WireGuard message)
+Wire = list[tuple[bytes, bytes | bytearray]]  # (destination key, WireGuard message)
 
 DROPS = Counter("nodus_agent_wireguard_drops_total", "WireGuard messages not accepted", ["reason"])
 HANDSHAKES = Counter(
@@ -42,10 +42,11 @@ class WgDevice:
         return _wire(self._device.send(peer, payload, now))
 
     def receive(
-        self, message: bytes, now: float, source: bytes
-    ) -> tuple[Wire, list[tuple[bytes, bytes]]]:
+        self, message: bytes | bytearray | memoryview, now: float, source: bytes
+    ) -> tuple[Wire, list[tuple[bytes, bytes | bytearray]]]:
+        """Replies to send and payloads delivered (each its own new buffer, not copied again)."""
         events = self._device.receive(message, now, source)
-        delivered = [(e.peer, bytes(e.payload)) for e in events if isinstance(e, Delivered)]
+        delivered = [(e.peer, e.payload) for e in events if isinstance(e, Delivered)]
         return _wire(events), delivered
 
     def tick(self, now: float) -> Wire:
@@ -62,7 +63,7 @@ def _wire(events: list[WgEvent] | list[Outgoing] | list[Outgoing | HandshakeFail
         if isinstance(event, Outgoing):
             destination = event.peer if event.peer is not None else event.reply_to
             if destination is not None:
-                out.append((destination, bytes(event.data)))
+                out.append((destination, event.data))  # sealed for us alone: not copied
         elif isinstance(event, Dropped):
             DROPS.labels(event.reason.value).inc()
         elif isinstance(event, HandshakeCompleted):
