@@ -155,7 +155,7 @@ class Link:
             return 0
         return state.credit
 
-    def send(self, stream: int, data: bytes) -> int:
+    def send(self, stream: int, data: bytes | memoryview) -> int:
         """Queue up to the stream's credit; returns how many bytes were taken (all of them,
         when `data` is no longer than `credit(stream)` said)."""
         state = self.streams.get(stream)

@@ -315,6 +315,27 @@ async def billed(client: Client) -> dict[str, int]:
     return {node: usage.billed for (_, _, node), usage in usage_by_member(records).items()}
 
 
+async def settled_bills(
+    client: Client, quiet: float = 1.5, timeout: float = 30.0, idle_bytes: int = 64 << 10
+) -> dict[str, int]:
+    """The bills once no member's grew by more than `idle_bytes` in `quiet` seconds (the
+    links' keepalives are billed too, a few bytes a second): the tail of what the members sent
+    before (a probe's last bytes still in the tunnel when it reported) is billed by then, and
+    not counted in what comes next. Relays publish usage every 0.1 s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    bills, since = await billed(client), loop.time()
+    while True:
+        await asyncio.sleep(0.25)
+        now = await billed(client)
+        if any(now.get(node, 0) - bill > idle_bytes for node, bill in bills.items()):
+            bills, since = now, loop.time()
+        elif loop.time() - since >= quiet:
+            return now
+        if loop.time() > deadline:
+            raise AssertionError(f"the bills never settled: {bills} then {now}")
+
+
 # -- servers on a member's address -----------------------------------------------------------
 
 

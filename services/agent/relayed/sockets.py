@@ -14,6 +14,7 @@ from prometheus_client import Counter, Gauge
 
 from libs.socks5 import ReplyCode
 from libs.tunnel import Link
+from services.agent.relayed.localstream import LocalStream
 
 log = logging.getLogger("nodus.agent.tunnel")
 
@@ -41,17 +42,16 @@ class Bridge:
 
     peer: Peer
     stream: int
-    reader: asyncio.StreamReader | None = None
-    writer: asyncio.StreamWriter | None = None
+    local: LocalStream | None = None  # the program's socket, once attached
     opened: asyncio.Future[int] | None = None
-    credit: asyncio.Event = field(default_factory=asyncio.Event)
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # both directions closed
+    finish_sent: bool = False  # the program closed its side and the link said so
     # Delivered, not yet written: at the end of the relay read, or (bytes the peer sent as soon
     # as it accepted, at most the stream's credit window) once the socket is attached.
     outbox: list[bytes | memoryview] = field(default_factory=list)
     written: int = 0  # delivered bytes written to the socket, not yet granted back
     draining: bool = False
-    task: asyncio.Task[None] | None = None
+    task: asyncio.Task[None] | None = None  # an inbound stream's dial of the local port
 
 
 class LocalSockets:
@@ -61,16 +61,79 @@ class LocalSockets:
         window: int,
         flush: Callable[[], None],
         background: Callable[[Coroutine[object, object, None]], None],
+        writable: asyncio.Event,
     ) -> None:
         """`flush` sends what the links queued (soon, once); `background` runs a task the
-        tunnel holds on to."""
+        tunnel holds on to; `writable` is set while the home relay's queue has room."""
         self.node = node
         self.window = window
         self.bridges: dict[tuple[bytes, int], Bridge] = {}
         self._flush = flush
         self._background = background
+        self._writable = writable
         self._touched: dict[tuple[bytes, int], Bridge] = {}  # bridges with an outbox to write
         self._gauge = STREAMS.labels(node)
+
+    def attach(self, bridge: Bridge, local: LocalStream) -> None:
+        """Splice a local socket to the stream: what the peer sent before is written to it,
+        and what the program sends (some of it may be read already) goes to the peer."""
+        bridge.local, local.bridge, local.owner = local, bridge, self
+        self.write(bridge)  # what the peer sent before the socket was attached ...
+        if bridge.peer.link.peer_finished(bridge.stream) and bridge.local is not None:
+            self.write_eof(bridge)  # ... and its FIN, if it came too
+        self.counted()
+        if local.gone:
+            self.lost(local, None)
+        else:
+            self.pump(bridge)
+
+    def readable(self, local: LocalStream) -> None:
+        if local.bridge is not None:
+            self.pump(local.bridge)
+
+    def lost(self, local: LocalStream, error: Exception | None) -> None:
+        """The program's socket is gone. Before the stream ended both ways, that resets it
+        (RST to the peer) and nothing else."""
+        bridge = local.bridge
+        if bridge is None or self.bridges.get((bridge.peer.key, bridge.stream)) is not bridge:
+            return
+        self.reset(bridge, "local_reset" if error is not None else "local_closed")
+
+    def pump(self, bridge: Bridge) -> None:
+        """Hand what the program sent to the link as far as the stream's credit and the
+        relay's queue allow, and read on; else pause reading until they allow more (a
+        CreditAvailable, or the relay's queue drained). Never drops a byte."""
+        local, link, stream = bridge.local, bridge.peer.link, bridge.stream
+        if local is None or self.bridges.get((bridge.peer.key, stream)) is not bridge:
+            return
+        pending = local.pending
+        while pending:
+            credit = link.credit(stream)
+            if credit <= 0 or not self._writable.is_set():
+                local.pause_reading()
+                return
+            data = pending[0]
+            if len(data) > credit:
+                data = memoryview(data)
+                pending[0] = data[credit:]
+                data = data[:credit]
+            else:
+                pending.popleft()
+            link.send(stream, data)
+            self._flush()
+        if local.eof and not bridge.finish_sent:
+            bridge.finish_sent = True
+            link.finish(stream)
+            self._flush()
+            self.forget_if_done(bridge.peer, stream)  # the peer had finished first
+            return
+        local.resume_reading()
+
+    def pump_all(self) -> None:
+        """The relay's queue has room again: every stream paused on it reads on."""
+        for bridge in list(self.bridges.values()):
+            if bridge.local is not None and (bridge.local.pending or bridge.local.eof):
+                self.pump(bridge)
 
     def counted(self) -> None:
         self._gauge.set(len(self.bridges))
@@ -79,7 +142,7 @@ class LocalSockets:
         """The peer sent `data`: written at the end of the relay read (`write_out`), or once
         `splice` attaches the socket."""
         bridge.outbox.append(data)
-        if bridge.writer is not None:
+        if bridge.local is not None:
             self._touched[key] = bridge
 
     def write_out(self) -> None:
@@ -95,16 +158,16 @@ class LocalSockets:
         if not outbox:
             return
         bridge.outbox = []
-        writer = bridge.writer
-        assert writer is not None
-        if writer.transport.is_closing():
+        local = bridge.local
+        assert local is not None and local.transport is not None
+        if local.closing():
             self.reset(bridge, "local_closed")
             return
         try:
             if len(outbox) == 1:
-                writer.write(outbox[0])
+                local.transport.write(outbox[0])
             else:
-                writer.writelines(outbox)
+                local.transport.writelines(outbox)
         except (RuntimeError, OSError):  # closed between the check and the write
             self.reset(bridge, "local_write_failed")
             return
@@ -112,13 +175,13 @@ class LocalSockets:
         self._grant(bridge)
 
     def write_eof(self, bridge: Bridge) -> None:
-        writer = bridge.writer
-        assert writer is not None
-        if writer.transport.is_closing():
-            return  # the local side is gone already; its own reader ends the stream
+        local = bridge.local
+        assert local is not None and local.transport is not None
+        if local.closing():
+            return  # the local side is gone already; its own loss ends the stream
         try:
-            if writer.can_write_eof():
-                writer.write_eof()
+            if local.transport.can_write_eof():
+                local.transport.write_eof()
         except (RuntimeError, OSError):
             self.reset(bridge, "local_closed")
 
@@ -134,25 +197,27 @@ class LocalSockets:
         self.bridges.pop((bridge.peer.key, bridge.stream), None)
         bridge.outbox = []
         bridge.finished.set()
-        bridge.credit.set()
-        if bridge.writer is not None:
-            bridge.writer.transport.abort()
+        if bridge.local is not None:
+            bridge.local.pending.clear()
+            bridge.local.abort()
         self.counted()
 
     def forget_if_done(self, peer: Peer, stream: int) -> None:
+        """Both directions closed: the local socket is closed once what it was sent has left."""
         if stream not in peer.link.streams:
             bridge = self.bridges.pop((peer.key, stream), None)
             if bridge is not None:
                 bridge.finished.set()
-                if bridge.writer is not None and bridge.task is None:
-                    bridge.writer.close()
+                if bridge.local is not None:
+                    bridge.local.close()
+                self.counted()
 
     def _grant(self, bridge: Bridge) -> None:
         """Give credit back once the bytes have left for the local socket."""
-        writer = bridge.writer
-        if writer is None:
+        local = bridge.local
+        if local is None or local.transport is None:
             return
-        if writer.transport.get_write_buffer_size() < self.window // 8:
+        if local.transport.get_write_buffer_size() < self.window // 8:
             bridge.peer.link.consumed(bridge.stream, bridge.written)
             bridge.written = 0
         elif not bridge.draining:
@@ -161,12 +226,12 @@ class LocalSockets:
 
     async def _grant_after_drain(self, bridge: Bridge) -> None:
         try:
-            if bridge.writer is not None:
-                await bridge.writer.drain()
-        except (ConnectionError, RuntimeError):
-            return  # the socket is gone: its reader resets the stream
+            if bridge.local is not None:
+                await bridge.local.drain()
         finally:
             bridge.draining = False
+        if bridge.local is None or bridge.local.gone:
+            return  # the socket is gone: its loss resets the stream
         bridge.peer.link.consumed(bridge.stream, bridge.written)
         bridge.written = 0
         self._flush()

@@ -11,7 +11,7 @@ from prometheus_client import Counter
 
 from libs.runtime.tasks import TaskSet
 from libs.socks5 import AddressType, ConnectRequest, Rejected, ReplyCode, ServerCodec
-from libs.socks5.server import read_request
+from services.agent.relayed.localstream import LocalStream
 from services.agent.relayed.tunnel import StreamRefused, Tunnel
 
 log = logging.getLogger("nodus.agent.socks")
@@ -27,52 +27,19 @@ class SocksFront:
         self.tunnel = tunnel
         self.listen = listen
         self.server: asyncio.Server | None = None
-        self._clients = TaskSet("socks client", log)
+        self.sessions: set[SocksSession] = set()
+        self._dials = TaskSet("socks connect", log)
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(
-            lambda reader, writer: self._clients.spawn(self._client(reader, writer)),
-            *self.listen,
-        )
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(lambda: SocksSession(self), *self.listen)
 
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
-        await self._clients.close()
-
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        node = self.tunnel.node
-        codec = ServerCodec()
-        try:
-            request = await asyncio.wait_for(read_request(codec, reader, writer), HANDSHAKE_TIMEOUT)
-            if isinstance(request, Rejected):
-                log.info("SOCKS request refused: %s", request.reason)
-            if not isinstance(request, ConnectRequest):
-                REQUESTS.labels(node, "malformed").inc()
-                return
-            code = self._allowed(request)
-            if code is not None:
-                REQUESTS.labels(node, "not_a_peer").inc()
-                codec.refuse(code)
-                writer.write(codec.data_to_send())
-                await writer.drain()
-                return
-            try:
-                bridge = await self.tunnel.connect(request.host, request.port)
-            except StreamRefused as refused:
-                REQUESTS.labels(node, f"refused_{refused.code}").inc()
-                codec.refuse(ReplyCode(refused.code))
-                writer.write(codec.data_to_send())
-                await writer.drain()
-                return
-            codec.accept()
-            writer.write(codec.data_to_send())
-            REQUESTS.labels(node, "connected").inc()
-            await self.tunnel.splice(bridge, reader, writer, codec.take_early_data())
-        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
+        for session in list(self.sessions):
+            session.close()
+        await self._dials.close()
 
     def _allowed(self, request: ConnectRequest) -> ReplyCode | None:
         """Only IP literals of this gang epoch's other members (G14)."""
@@ -82,3 +49,85 @@ class SocksFront:
         if host not in self.tunnel.peers_by_address:
             return ReplyCode.NOT_ALLOWED
         return None
+
+
+class SocksSession(LocalStream):
+    """One program's connection: the SOCKS5 handshake (the sans-I/O codec), then, once the
+    stream to the peer is open, the program's end of it (LocalStream)."""
+
+    def __init__(self, front: SocksFront) -> None:
+        super().__init__()
+        self.front = front
+        self.codec = ServerCodec()
+        self._deadline: asyncio.TimerHandle | None = None
+        self._dialing = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.front.sessions.add(self)
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.call_later(HANDSHAKE_TIMEOUT, self.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self.bridge is not None:
+            super().data_received(data)
+            return
+        event = self.codec.receive_data(data)
+        self._answer()
+        if isinstance(event, Rejected):
+            log.info("SOCKS request refused: %s", event.reason)
+            REQUESTS.labels(self.front.tunnel.node, "malformed").inc()
+            self.close()
+        elif isinstance(event, ConnectRequest):
+            self._cancel_deadline()
+            self.pause_reading()  # what the program sends meanwhile waits in its socket
+            self._dialing = True
+            self.front._dials.spawn(self._connect(event))
+
+    def eof_received(self) -> bool:
+        if self.bridge is not None or self._dialing:
+            return super().eof_received()
+        REQUESTS.labels(self.front.tunnel.node, "malformed").inc()
+        return False  # closed before its request
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_deadline()
+        self.front.sessions.discard(self)
+        super().connection_lost(exc)
+
+    async def _connect(self, request: ConnectRequest) -> None:
+        tunnel, node = self.front.tunnel, self.front.tunnel.node
+        code = self.front._allowed(request)
+        if code is not None:
+            REQUESTS.labels(node, "not_a_peer").inc()
+            self._refuse(code)
+            return
+        try:
+            bridge = await tunnel.connect(request.host, request.port)
+        except StreamRefused as refused:
+            REQUESTS.labels(node, f"refused_{refused.code}").inc()
+            self._refuse(ReplyCode(refused.code))
+            return
+        self.codec.accept()
+        self._answer()
+        REQUESTS.labels(node, "connected").inc()
+        early = self.codec.take_early_data()
+        if early:
+            self.pending.appendleft(early)
+        tunnel.sockets.attach(bridge, self)  # a program already gone resets the stream it opened
+
+    def _refuse(self, code: ReplyCode) -> None:
+        self.codec.refuse(code)
+        self._answer()
+        self.close()
+
+    def _answer(self) -> None:
+        out = self.codec.data_to_send()
+        if out and not self.closing():
+            assert self.transport is not None
+            self.transport.write(out)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None

@@ -37,6 +37,7 @@ from libs.tunnel import (
     StreamOpened,
 )
 from services.agent.relayed.homing import RelayHome
+from services.agent.relayed.localstream import LocalStream
 from services.agent.relayed.sockets import STREAM_RESETS, Bridge, LocalSockets, Peer
 from services.agent.relayed.timers import Timers
 from services.agent.relayed.wgdevice import WgDevice, Wire
@@ -45,6 +46,12 @@ log = logging.getLogger("nodus.agent.tunnel")
 
 LINK_ERRORS = Counter(
     "nodus_agent_link_errors_total", "Malformed link messages from peers", ["node"]
+)
+RESENT = Counter(
+    "nodus_agent_link_resent_bytes_total",
+    "Link payload bytes sent again (after a relay was lost, or acknowledgements stalled): "
+    "relays meter them, members are not billed for them",
+    ["node"],
 )
 
 HIGH_WATER = 2 << 20  # bytes queued to the relay before local reads pause
@@ -89,7 +96,11 @@ class Tunnel:
         self.inflight = inflight  # each link's cap on what it keeps unacknowledged (C3)
         self.peers_by_key: dict[bytes, Peer] = {}
         self.peers_by_address: dict[str, Peer] = {}
-        self.sockets = LocalSockets(node, window, self._schedule_flush, self._background)
+        self._writable = asyncio.Event()  # the home relay's queue has room
+        self._writable.set()
+        self.sockets = LocalSockets(
+            node, window, self._schedule_flush, self._background, self._writable
+        )
         self.bridges = self.sockets.bridges
         clients = [
             RelayClient(
@@ -109,8 +120,6 @@ class Tunnel:
         ]
         self.relays = RelayHome(node, clients, self._moved)
         self.timers = Timers(self._next_deadline, self._fire_timers)
-        self._writable = asyncio.Event()
-        self._writable.set()
         self._flush_scheduled = False
         # What this member's programs sent, counted once as relays meter it (resends after a
         # relay was lost are not in it), and the relay last told so: relays bill it (G17).
@@ -119,6 +128,7 @@ class Tunnel:
         # The relay connections, the timers, drains and inbound streams: a crash is logged.
         self._tasks = TaskSet("tunnel", log)
         self._keepalive_at = 0.0  # when the links next say something (KEEPALIVE)
+        self._resent = RESENT.labels(node)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -139,10 +149,9 @@ class Tunnel:
     async def stop(self) -> None:
         self.relays.close()
         for bridge in list(self.bridges.values()):
-            if bridge.writer is not None:
-                bridge.writer.close()
+            if bridge.local is not None:
+                bridge.local.close()
         await self._tasks.close()
-        # Outbound streams run in the SOCKS entry's tasks.
         await cancel_and_wait([b.task for b in self.bridges.values() if b.task is not None])
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
@@ -191,6 +200,7 @@ class Tunnel:
             resent, fresh = peer.link.outgoing_parts()
             for payload in resent:
                 wire += self.device.send(peer.key, payload, now)
+                self._resent.inc(plaintext_size(len(payload)))
             for payload in fresh:
                 wire += self.device.send(peer.key, payload, now)
                 self.sent_once += plaintext_size(len(payload))
@@ -206,6 +216,7 @@ class Tunnel:
     async def _drain(self, relay: RelayClient) -> None:
         await relay.drain()
         self._writable.set()
+        self.sockets.pump_all()
 
     def _send_wire(self, messages: Wire) -> None:
         home = self.relays.home
@@ -274,7 +285,7 @@ class Tunnel:
             self.sockets.delivered(key, bridge, event.data)
         elif isinstance(event, CreditAvailable):
             if bridge is not None:
-                bridge.credit.set()
+                self.sockets.pump(bridge)
         elif isinstance(event, StreamOpened):
             bridge = Bridge(peer, event.stream)
             self.bridges[key] = bridge
@@ -283,7 +294,7 @@ class Tunnel:
             if bridge is not None and bridge.opened is not None and not bridge.opened.done():
                 bridge.opened.set_result(0 if event.ok else event.code)
         elif isinstance(event, Closed):
-            if bridge is not None and bridge.writer is not None:
+            if bridge is not None and bridge.local is not None:
                 self.sockets.write(bridge)
                 self.sockets.write_eof(bridge)
             self.sockets.forget_if_done(peer, event.stream)
@@ -356,8 +367,6 @@ class Tunnel:
         if code:
             self.bridges.pop((peer.key, stream), None)
             raise StreamRefused(code)
-        bridge.credit.set()
-        self.sockets.counted()
         return bridge
 
     def _abandon_open(self, bridge: Bridge, reason: str, code: int) -> None:
@@ -366,67 +375,13 @@ class Tunnel:
         STREAM_RESETS.labels(self.node, reason).inc()
         self._schedule_flush()
 
-    async def splice(
-        self,
-        bridge: Bridge,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        first: bytes = b"",
-    ) -> None:
-        """Carry a local socket's bytes into the stream until it closes, starting with `first`
-        (what the program sent before it was connected); the other direction is written as it
-        arrives (see _on_event, LocalSockets)."""
-        bridge.reader, bridge.writer = reader, writer
-        bridge.task = asyncio.current_task()
-        self.sockets.write(bridge)  # what the peer sent before the socket was attached ...
-        if bridge.peer.link.peer_finished(bridge.stream):
-            self.sockets.write_eof(bridge)  # ... and its FIN, if it came too
-        peer, stream = bridge.peer, bridge.stream
-        link = peer.link
-        pending = first  # read from the local socket, not yet taken by the link
-        try:
-            while stream in link.streams:
-                credit = link.credit(stream)
-                if credit <= 0:
-                    bridge.credit.clear()
-                    if link.credit(stream) <= 0:
-                        await bridge.credit.wait()
-                    continue
-                if pending:
-                    # Never dropped: what the link cannot take now waits for credit.
-                    taken = link.send(stream, pending)
-                    pending = pending[taken:]
-                    self._schedule_flush()
-                    continue
-                await self._writable.wait()
-                try:
-                    data = await reader.read(min(credit, READ_SIZE))
-                except OSError:  # reset by the local program (SO_LINGER 0) or a socket error
-                    if (peer.key, stream) in self.bridges:
-                        self.sockets.reset(bridge, "local_reset")
-                    return
-                if (peer.key, stream) not in self.bridges:
-                    return  # reset while we read (by the peer, or a failed local write)
-                if not data:
-                    link.finish(stream)
-                    self._schedule_flush()
-                    break
-                pending = data
-            # Keep the socket open until the peer finishes its direction too.
-            if stream in link.streams:
-                await bridge.finished.wait()
-        finally:
-            bridge.task = None
-            self.bridges.pop((peer.key, stream), None)
-            writer.close()
-            self.sockets.counted()
-
     async def _inbound(self, bridge: Bridge, port: int) -> None:
         """A peer's stream: dial the port on this member's own advertised address (G14)."""
         link = bridge.peer.link
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.address, port), OPEN_TIMEOUT - 1.0
+            _, local = await asyncio.wait_for(
+                loop.create_connection(LocalStream, self.address, port), OPEN_TIMEOUT - 1.0
             )
         except ConnectionRefusedError:
             self._refuse_inbound(bridge, CONNECTION_REFUSED)
@@ -434,13 +389,14 @@ class Tunnel:
         except (OSError, TimeoutError):
             self._refuse_inbound(bridge, HOST_UNREACHABLE)
             return
+        finally:
+            bridge.task = None
         if (bridge.peer.key, bridge.stream) not in self.bridges:
-            writer.transport.abort()  # the peer gave up (reset) while we dialled
+            local.abort()  # the peer gave up (reset) while we dialled
             return
         link.accept(bridge.stream)
-        bridge.credit.set()
         self._schedule_flush()
-        await self.splice(bridge, reader, writer)
+        self.sockets.attach(bridge, local)
 
     def _refuse_inbound(self, bridge: Bridge, code: int) -> None:
         bridge.peer.link.refuse(bridge.stream, code)
