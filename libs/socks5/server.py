@@ -3,7 +3,7 @@
 `dial(host, port)` opens the connection to the destination and returns asyncio streams; it
 is the only policy: a dial refuses what it will not reach with `raise SocksRefusal()`, tests
 pass `open_connection`. (The agent's entry splices into the gang's tunnel, not into streams:
-it shares this server's handshake, `read_request`, and answers with the same codec.) Whatever
+it runs the same codec on a protocol of its own, services/agent/relayed/socks.py.) Whatever
 it raises becomes the reply the client is owed (`reply_for_exception`), so the shim in front
 turns it back into the errno a direct connect would have given:
 

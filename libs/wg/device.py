@@ -32,6 +32,7 @@ from libs.wg import timers
 from libs.wg.constants import (
     DEFAULT_LOAD_THRESHOLD,
     DEFAULT_QUEUE_LIMIT,
+    MAX_PLAINTEXT,
     REKEY_TIMEOUT_JITTER,
 )
 from libs.wg.cookie import CookieChecker
@@ -89,6 +90,7 @@ class Device:
         self._wall_clock = wall_clock if wall_clock is not None else time.time
         self._tai64n = Tai64nClock()
         self._rng = rng if rng is not None else random.Random(secrets.randbits(64))
+        self._plaintext = bytearray(MAX_PLAINTEXT)  # each payload is framed here, then sealed
 
     # The calls the I/O code makes.
 
@@ -126,7 +128,7 @@ class Device:
         peer = self._peer(peer_public_key)
         if not payload:
             return send_path.keepalive(self, peer, now)
-        return send_path.send(self, peer, self.framing.encode(payload), now)
+        return send_path.send(self, peer, self.framing.encode_into(self._plaintext, payload), now)
 
     def receive(
         self, message: bytes | bytearray | memoryview, now: float, source: bytes = b""

@@ -33,6 +33,12 @@ class Framing(Protocol):
         """The padded plaintext of a non-empty payload (ValueError when it cannot be sent)."""
         ...
 
+    def encode_into(self, buffer: bytearray, payload: bytes | bytearray | memoryview) -> memoryview:
+        """`encode`, written at the start of `buffer` (at least MAX_PLAINTEXT long) and
+        returned as a view of it: the sender seals it at once and reuses the buffer, so a
+        payload costs no allocation (a fresh 64-KiB buffer each time churns the heap)."""
+        ...
+
     def decode(self, plaintext: bytearray) -> bytearray | None:
         """The payload inside a non-empty padded plaintext, or None."""
         ...
@@ -51,6 +57,16 @@ class SizedFraming:
         _U16.pack_into(plaintext, 0, length)
         plaintext[2 : 2 + length] = payload
         return plaintext
+
+    def encode_into(self, buffer: bytearray, payload: bytes | bytearray | memoryview) -> memoryview:
+        length = len(payload)
+        if length > MAX_PAYLOAD:
+            raise ValueError(f"a payload is at most {MAX_PAYLOAD} bytes, not {length}")
+        end = _padded(2 + length)
+        _U16.pack_into(buffer, 0, length)
+        buffer[2 : 2 + length] = payload
+        buffer[2 + length : end] = bytes(end - 2 - length)
+        return memoryview(buffer)[:end]
 
     def plaintext_size(self, length: int) -> int:
         return _padded(2 + length)
@@ -76,6 +92,15 @@ class IPFraming:
         plaintext = bytearray(_padded(length))
         plaintext[:length] = payload
         return plaintext
+
+    def encode_into(self, buffer: bytearray, payload: bytes | bytearray | memoryview) -> memoryview:
+        length = len(payload)
+        if length > MAX_PAYLOAD:
+            raise ValueError(f"an IP packet is at most {MAX_PAYLOAD} bytes, not {length}")
+        end = _padded(length)
+        buffer[:length] = payload
+        buffer[length:end] = bytes(end - length)
+        return memoryview(buffer)[:end]
 
     def plaintext_size(self, length: int) -> int:
         return _padded(length)

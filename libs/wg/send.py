@@ -17,8 +17,11 @@ if TYPE_CHECKING:
 __all__ = ["initiate", "keepalive", "send", "send_queued"]
 
 
-def send(device: Device, peer: Peer, plaintext: bytearray, now: float) -> list[Outgoing]:
-    """Seal a padded plaintext now if the current session allows it, else queue it."""
+def send(
+    device: Device, peer: Peer, plaintext: bytearray | memoryview, now: float
+) -> list[Outgoing]:
+    """Seal a padded plaintext now if the current session allows it, else queue a copy of it
+    (`plaintext` may be a view of a buffer the caller reuses)."""
     session = peer.current
     if session is not None and not peer.queue and session.can_send(now):
         out = [_seal(device, peer, session, plaintext, now)]
@@ -28,7 +31,7 @@ def send(device: Device, peer: Peer, plaintext: bytearray, now: float) -> list[O
     if len(peer.queue) >= device.queue_limit:
         peer.queue.popleft()
         device.count_drop(DropReason.QUEUE_FULL)
-    peer.queue.append(plaintext)
+    peer.queue.append(bytearray(plaintext))
     return send_queued(device, peer, now)
 
 
@@ -70,7 +73,11 @@ def initiate(device: Device, peer: Peer, now: float, *, retry: bool = False) -> 
 
 
 def _seal(
-    device: Device, peer: Peer, session: Session, plaintext: bytes | bytearray, now: float
+    device: Device,
+    peer: Peer,
+    session: Session,
+    plaintext: bytes | bytearray | memoryview,
+    now: float,
 ) -> Outgoing:
     message = session.seal(plaintext)
     peer.sent_bytes += len(message)

@@ -65,7 +65,7 @@ class Session:
     def can_receive(self, now: float) -> bool:
         return now - self.created < REJECT_AFTER_TIME
 
-    def seal(self, plaintext: bytes | bytearray) -> bytearray:
+    def seal(self, plaintext: bytes | bytearray | memoryview) -> bytearray:
         """The transport message (type 4) carrying `plaintext` (already padded)."""
         counter = self.send_counter
         self.send_counter = counter + 1

@@ -21,11 +21,12 @@ from libs.wg.constants import (
     COOKIE_REPLY_SIZE,
     INITIATION_SIZE,
     KEEPALIVE_SIZE,
+    MAX_PLAINTEXT,
     REJECT_AFTER_MESSAGES,
     REPLAY_WINDOW,
     RESPONSE_SIZE,
 )
-from libs.wg.framing import SIZED
+from libs.wg.framing import SIZED, Framing
 from libs.wg.loopback import Loopback
 from libs.wg.messages import carried_bytes
 from libs.wg.replay import ReplayWindow
@@ -78,6 +79,27 @@ def test_the_payload_is_copied_when_queued() -> None:
     for receiver, message in loop.wire:
         loop.deliver(receiver, message)
     assert [bytes(d.payload) for d in loop.take(loop.b, Delivered)] == [b"first"]
+
+
+def test_payloads_queued_before_a_session_arrive_intact_though_the_device_reuses_its_buffer() -> (
+    None
+):
+    loop = Loopback.create()
+    loop.connected = False
+    payloads = [b"a" * 60_000, b"b" * 17, b"c" * 1000]
+    for payload in payloads:
+        loop.send(loop.a, payload)
+    loop.connected = True
+    for receiver, message in loop.wire:
+        loop.deliver(receiver, message)
+    assert [bytes(d.payload) for d in loop.take(loop.b, Delivered)] == payloads
+
+
+@pytest.mark.parametrize("framing", [SIZED, IP_PACKETS], ids=["sized", "ip"])
+def test_framing_into_a_used_buffer_is_the_same_plaintext_zero_padded(framing: Framing) -> None:
+    buffer = bytearray(b"\xff" * MAX_PLAINTEXT)  # what a longer payload left behind
+    packet = b"\x45" + bytes(1) + struct.pack(">H", 21) + bytes(16) + b"x"  # a 21-byte IPv4
+    assert framing.encode_into(buffer, packet) == framing.encode(packet)
 
 
 def test_counters_count_up_and_duplicates_and_old_messages_are_dropped() -> None:
