@@ -33,6 +33,14 @@ SEQ_MOD = 1 << 32
 GENERAL_FAILURE = int(ReplyCode.GENERAL_FAILURE)
 
 
+Piece = bytes | memoryview
+# A message as kept until acknowledged: its header and body, not joined (a DATA body is a view
+# of what the program's socket read). A payload is the pieces of the messages it packs, written
+# one after the other: WireGuard's framing copies them into its plaintext, the only copy.
+Message = tuple[bytes, Piece]
+Payload = list[Piece]
+
+
 class LinkError(ValueError):
     """Malformed link input from an authenticated peer: the caller counts it and resets."""
 
@@ -114,7 +122,7 @@ class Link:
         self._next_stream = 2 + side
         # sender
         self._next_seq = 0
-        self._unacked: deque[tuple[int, bytes]] = deque()
+        self._unacked: deque[tuple[int, Message]] = deque()
         self._unsent = 0  # how many of the newest unacked messages are to be transmitted
         self._fresh = 0  # how many of those were never transmitted (the newest ones)
         self._last_progress: float | None = None  # when acknowledgements last moved
@@ -155,9 +163,10 @@ class Link:
             return 0
         return state.credit
 
-    def send(self, stream: int, data: bytes | memoryview) -> int:
+    def send(self, stream: int, data: bytes | bytearray | memoryview) -> int:
         """Queue up to the stream's credit; returns how many bytes were taken (all of them,
-        when `data` is no longer than `credit(stream)` said)."""
+        when `data` is no longer than `credit(stream)` said). The link keeps views of `data`
+        until the peer acknowledges them: a buffer the caller may change is copied first."""
         state = self.streams.get(stream)
         if state is None or not state.open or state.sent_fin:
             return 0
@@ -165,6 +174,8 @@ class Link:
         if taken <= 0:
             return 0
         view = memoryview(data)
+        if not view.readonly:
+            view = memoryview(bytes(view[:taken]))
         for at in range(0, taken, self.chunk):
             self._queue(DATA, stream, view[at : min(taken, at + self.chunk)])
         state.credit -= taken
@@ -200,38 +211,41 @@ class Link:
     # -- the transport -------------------------------------------------------------------------
 
     def outgoing(self) -> list[bytes]:
-        """Payloads to send now, resent ones first (see `outgoing_parts`)."""
+        """Payloads to send now, resent ones first, each joined (see `outgoing_parts`)."""
         resent, fresh = self.outgoing_parts()
-        return resent + fresh
+        return [b"".join(payload) for payload in resent + fresh]
 
-    def outgoing_parts(self) -> tuple[list[bytes], list[bytes]]:
+    def outgoing_parts(self) -> tuple[list[Payload], list[Payload]]:
         """Payloads to send now, in the order they go: every unacknowledged message sent again
         after `retransmit`, then the fresh ones (an acknowledgement if one is due, and every
         message never transmitted), each group packed up to max_payload. Kept apart so the
         sender can count what its programs sent once (the relays bill that, G17)."""
         fresh_from = len(self._unacked) - self._fresh
         resent = [self._unacked[i][1] for i in range(len(self._unacked) - self._unsent, fresh_from)]
-        fresh: list[bytes] = []
+        fresh: list[Message] = []
         if self._ack_due:
-            fresh.append(HEADER.pack(ACK, self._expected, 0, 0))
+            fresh.append((HEADER.pack(ACK, self._expected, 0, 0), b""))
             self._ack_due = False
             self._since_ack = 0
         fresh += [self._unacked[i][1] for i in range(fresh_from, len(self._unacked))]
         self._unsent = self._fresh = 0
         return self._packed(resent), self._packed(fresh)
 
-    def _packed(self, parts: list[bytes]) -> list[bytes]:
-        payloads: list[bytes] = []
-        batch: list[bytes] = []
+    def _packed(self, messages: list[Message]) -> list[Payload]:
+        payloads: list[Payload] = []
+        batch: Payload = []
         size = 0
-        for part in parts:
-            if batch and size + len(part) > self.max_payload:
-                payloads.append(b"".join(batch))
+        for header, body in messages:
+            length = len(header) + len(body)
+            if batch and size + length > self.max_payload:
+                payloads.append(batch)
                 batch, size = [], 0
-            batch.append(part)
-            size += len(part)
+            batch.append(header)
+            if body:
+                batch.append(body)
+            size += length
         if batch:
-            payloads.append(b"".join(batch))
+            payloads.append(batch)
         return payloads
 
     def retransmit(self) -> None:
@@ -313,9 +327,9 @@ class Link:
     # -- internals -----------------------------------------------------------------------------
 
     def _queue(self, kind: int, stream: int, body: bytes | memoryview) -> None:
-        message = b"".join((HEADER.pack(kind, self._next_seq, stream, len(body)), body))
-        self._unacked.append((self._next_seq, message))
-        self._inflight += len(message)
+        header = HEADER.pack(kind, self._next_seq, stream, len(body))
+        self._unacked.append((self._next_seq, (header, body)))
+        self._inflight += len(header) + len(body)
         self._next_seq = (self._next_seq + 1) % SEQ_MOD
         self._unsent += 1
         self._fresh += 1
@@ -323,7 +337,8 @@ class Link:
     def _acked(self, next_expected: int, now: float, events: list[Event]) -> None:
         progressed = False
         while self._unacked and 0 < (next_expected - self._unacked[0][0]) % SEQ_MOD <= SEQ_MOD // 2:
-            self._inflight -= len(self._unacked.popleft()[1])
+            header, body = self._unacked.popleft()[1]
+            self._inflight -= len(header) + len(body)
             progressed = True
         if self._blocked and self._inflight < self.max_inflight:
             for stream in sorted(self._blocked):

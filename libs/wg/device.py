@@ -23,7 +23,7 @@ import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from libs.wg import receive as receive_path
@@ -125,10 +125,18 @@ class Device:
 
         An empty payload sends a keepalive. ValueError when the payload is too large for the
         framing, UnknownPeer for a key that is not a peer."""
+        return self.send_pieces(peer_public_key, (payload,), now)
+
+    def send_pieces(
+        self, peer_public_key: bytes, pieces: Sequence[bytes | bytearray | memoryview], now: float
+    ) -> list[Outgoing]:
+        """`send` of the payload the pieces make one after the other (copied once, into the
+        plaintext: a sender need not join them first)."""
         peer = self._peer(peer_public_key)
-        if not payload:
+        if not any(pieces):
             return send_path.keepalive(self, peer, now)
-        return send_path.send(self, peer, self.framing.encode_into(self._plaintext, payload), now)
+        plaintext = self.framing.encode_into(self._plaintext, pieces)
+        return send_path.send(self, peer, plaintext, now)
 
     def receive(
         self, message: bytes | bytearray | memoryview, now: float, source: bytes = b""

@@ -14,6 +14,7 @@ not well formed.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Protocol
 
 from libs.wg.constants import MAX_PAYLOAD, PADDING_MULTIPLE
@@ -22,6 +23,16 @@ __all__ = ["IP_PACKETS", "SIZED", "Framing", "IPFraming", "SizedFraming"]
 
 _U16 = struct.Struct(">H")
 _PAD = PADDING_MULTIPLE - 1
+
+
+Buffer = bytes | bytearray | memoryview
+
+
+def _copy(buffer: bytearray, at: int, pieces: Sequence[Buffer]) -> None:
+    for piece in pieces:
+        end = at + len(piece)
+        buffer[at:end] = piece
+        at = end
 
 
 def _padded(length: int) -> int:
@@ -33,10 +44,11 @@ class Framing(Protocol):
         """The padded plaintext of a non-empty payload (ValueError when it cannot be sent)."""
         ...
 
-    def encode_into(self, buffer: bytearray, payload: bytes | bytearray | memoryview) -> memoryview:
-        """`encode`, written at the start of `buffer` (at least MAX_PLAINTEXT long) and
-        returned as a view of it: the sender seals it at once and reuses the buffer, so a
-        payload costs no allocation (a fresh 64-KiB buffer each time churns the heap)."""
+    def encode_into(self, buffer: bytearray, pieces: Sequence[Buffer]) -> memoryview:
+        """`encode` of the payload the pieces make one after the other, written at the start
+        of `buffer` (at least MAX_PLAINTEXT long) and returned as a view of it: the sender
+        seals it at once and reuses the buffer. The pieces are copied once, here, and never
+        joined first."""
         ...
 
     def decode(self, plaintext: bytearray) -> bytearray | None:
@@ -58,13 +70,13 @@ class SizedFraming:
         plaintext[2 : 2 + length] = payload
         return plaintext
 
-    def encode_into(self, buffer: bytearray, payload: bytes | bytearray | memoryview) -> memoryview:
-        length = len(payload)
+    def encode_into(self, buffer: bytearray, pieces: Sequence[Buffer]) -> memoryview:
+        length = sum(len(piece) for piece in pieces)
         if length > MAX_PAYLOAD:
             raise ValueError(f"a payload is at most {MAX_PAYLOAD} bytes, not {length}")
         end = _padded(2 + length)
         _U16.pack_into(buffer, 0, length)
-        buffer[2 : 2 + length] = payload
+        _copy(buffer, 2, pieces)
         buffer[2 + length : end] = bytes(end - 2 - length)
         return memoryview(buffer)[:end]
 
@@ -93,12 +105,12 @@ class IPFraming:
         plaintext[:length] = payload
         return plaintext
 
-    def encode_into(self, buffer: bytearray, payload: bytes | bytearray | memoryview) -> memoryview:
-        length = len(payload)
+    def encode_into(self, buffer: bytearray, pieces: Sequence[Buffer]) -> memoryview:
+        length = sum(len(piece) for piece in pieces)
         if length > MAX_PAYLOAD:
             raise ValueError(f"an IP packet is at most {MAX_PAYLOAD} bytes, not {length}")
         end = _padded(length)
-        buffer[:length] = payload
+        _copy(buffer, 0, pieces)
         buffer[length:end] = bytes(end - length)
         return memoryview(buffer)[:end]
 

@@ -281,12 +281,29 @@ def test_what_is_sent_again_after_a_path_change_comes_apart_from_what_is_new() -
     for payload in b.outgoing():
         a.receive(payload)
     a.send(stream, b"x" * 1000)
-    resent, fresh = a.outgoing_parts()
+    resent, fresh = (list(map(b"".join, part)) for part in a.outgoing_parts())
     assert resent == [] and sum(map(len, fresh)) == 1000 + HEADER.size  # lost on a dead relay
     a.retransmit()
     a.send(stream, b"y" * 500)
-    resent, fresh = a.outgoing_parts()
+    resent, fresh = (list(map(b"".join, part)) for part in a.outgoing_parts())
     assert sum(map(len, resent)) == 1000 + HEADER.size
     assert sum(map(len, fresh)) == 500 + HEADER.size
     got = [e for p in resent + fresh for e in b.receive(p) if isinstance(e, Data)]
     assert b"".join(e.data for e in got) == b"x" * 1000 + b"y" * 500
+
+
+def test_what_the_link_keeps_to_resend_does_not_change_with_the_callers_buffer() -> None:
+    """A DATA message is kept as a view of what was sent: a buffer the caller may change
+    afterwards is copied first, so a resend after a relay died carries the bytes sent."""
+    a, b = Link(0), Link(1)
+    stream = a.open_stream(80)
+    b.receive(b"".join(a.outgoing()))
+    b.accept(stream)
+    a.receive(b"".join(b.outgoing()))
+    buffer = bytearray(b"first")
+    a.send(stream, buffer)
+    a.outgoing()  # lost on a dead relay
+    buffer[:] = b"later"
+    a.retransmit()
+    got = [e for p in a.outgoing() for e in b.receive(p) if isinstance(e, Data)]
+    assert [bytes(e.data) for e in got] == [b"first"]

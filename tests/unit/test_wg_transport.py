@@ -99,7 +99,8 @@ def test_payloads_queued_before_a_session_arrive_intact_though_the_device_reuses
 def test_framing_into_a_used_buffer_is_the_same_plaintext_zero_padded(framing: Framing) -> None:
     buffer = bytearray(b"\xff" * MAX_PLAINTEXT)  # what a longer payload left behind
     packet = b"\x45" + bytes(1) + struct.pack(">H", 21) + bytes(16) + b"x"  # a 21-byte IPv4
-    assert framing.encode_into(buffer, packet) == framing.encode(packet)
+    assert framing.encode_into(buffer, [packet]) == framing.encode(packet)
+    assert framing.encode_into(buffer, [packet[:7], b"", packet[7:]]) == framing.encode(packet)
 
 
 def test_counters_count_up_and_duplicates_and_old_messages_are_dropped() -> None:

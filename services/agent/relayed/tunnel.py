@@ -198,12 +198,12 @@ class Tunnel:
         plaintext_size = self.device.plaintext_size
         for peer in self.peers_by_key.values():
             resent, fresh = peer.link.outgoing_parts()
-            for payload in resent:
-                wire += self.device.send(peer.key, payload, now)
-                self._resent.inc(plaintext_size(len(payload)))
-            for payload in fresh:
-                wire += self.device.send(peer.key, payload, now)
-                self.sent_once += plaintext_size(len(payload))
+            for pieces in resent:
+                wire += self.device.send_pieces(peer.key, pieces, now)
+                self._resent.inc(plaintext_size(sum(len(piece) for piece in pieces)))
+            for pieces in fresh:
+                wire += self.device.send_pieces(peer.key, pieces, now)
+                self.sent_once += plaintext_size(sum(len(piece) for piece in pieces))
         if home is not None and wire:
             told = self._told != (home, self.sent_once)
             self._told = (home, self.sent_once)

@@ -6,6 +6,8 @@ that key."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import Counter
 
 from libs.wg import Delivered, Device, Dropped, HandshakeCompleted, HandshakeFailed, Outgoing
@@ -40,6 +42,10 @@ class WgDevice:
 
     def send(self, peer: bytes, payload: bytes, now: float) -> Wire:
         return _wire(self._device.send(peer, payload, now))
+
+    def send_pieces(self, peer: bytes, pieces: Sequence[bytes | memoryview], now: float) -> Wire:
+        """`send` of the payload the pieces make, copied once into the plaintext."""
+        return _wire(self._device.send_pieces(peer, pieces, now))
 
     def receive(
         self, message: bytes | bytearray | memoryview, now: float, source: bytes
