@@ -28,7 +28,7 @@ class SocksFront:
         self.listen = listen
         self.server: asyncio.Server | None = None
         self.sessions: set[SocksSession] = set()
-        self._dials = TaskSet("socks connect", log)
+        self.dials = TaskSet("socks connect", log)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -39,9 +39,9 @@ class SocksFront:
             self.server.close()
         for session in list(self.sessions):
             session.close()
-        await self._dials.close()
+        await self.dials.close()
 
-    def _allowed(self, request: ConnectRequest) -> ReplyCode | None:
+    def allowed(self, request: ConnectRequest) -> ReplyCode | None:
         """Only IP literals of this gang epoch's other members (G14)."""
         if request.address_type is AddressType.DOMAIN:
             return ReplyCode.ADDRESS_TYPE_NOT_SUPPORTED
@@ -82,7 +82,7 @@ class SocksSession(LocalStream):
             self._cancel_deadline()
             self.pause_reading()  # what the program sends meanwhile waits in its socket
             self._dialing = True
-            self.front._dials.spawn(self._connect(event))
+            self.front.dials.spawn(self._connect(event))
 
     def eof_received(self) -> bool:
         if self.bridge is not None or self._dialing:
@@ -96,8 +96,15 @@ class SocksSession(LocalStream):
         super().connection_lost(exc)
 
     async def _connect(self, request: ConnectRequest) -> None:
+        try:
+            await self._open(request)
+        finally:
+            if self.bridge is None:
+                self.close()  # refused, failed or stopped: the program is not left waiting
+
+    async def _open(self, request: ConnectRequest) -> None:
         tunnel, node = self.front.tunnel, self.front.tunnel.node
-        code = self.front._allowed(request)
+        code = self.front.allowed(request)
         if code is not None:
             REQUESTS.labels(node, "not_a_peer").inc()
             self._refuse(code)
