@@ -194,12 +194,8 @@ def parts(frame: Frame) -> list[Message]:
 
 def encode(frame: Frame) -> bytes:
     match frame:
-        case Send(dst, message):
-            return _frame(T_SEND, dst, message)
-        case Recv(src, message):
-            return _frame(T_RECV, src, message)
-        case Forward(src, dst, message):
-            return _frame(T_FORWARD, src, dst, message)
+        case Send() | Recv() | Forward():
+            return b"".join(parts(frame))
         case Challenge(relay_key, nonce):
             return _frame(T_CHALLENGE, relay_key, nonce)
         case Hello(gang, epoch, node, wg_key, proof):

@@ -39,6 +39,13 @@ def _padded(length: int) -> int:
     return (length + _PAD) & ~_PAD
 
 
+def _encoded(framing: Framing, payload: Buffer) -> bytearray:
+    """`encode` as `encode_into` a buffer of the plaintext's own size."""
+    plaintext = bytearray(framing.plaintext_size(min(len(payload), MAX_PAYLOAD + 1)))
+    framing.encode_into(plaintext, (payload,))
+    return plaintext
+
+
 class Framing(Protocol):
     def encode(self, payload: bytes | bytearray | memoryview) -> bytearray:
         """The padded plaintext of a non-empty payload (ValueError when it cannot be sent)."""
@@ -62,13 +69,7 @@ class Framing(Protocol):
 
 class SizedFraming:
     def encode(self, payload: bytes | bytearray | memoryview) -> bytearray:
-        length = len(payload)
-        if length > MAX_PAYLOAD:
-            raise ValueError(f"a payload is at most {MAX_PAYLOAD} bytes, not {length}")
-        plaintext = bytearray(_padded(2 + length))
-        _U16.pack_into(plaintext, 0, length)
-        plaintext[2 : 2 + length] = payload
-        return plaintext
+        return _encoded(self, payload)
 
     def encode_into(self, buffer: bytearray, pieces: Sequence[Buffer]) -> memoryview:
         length = sum(len(piece) for piece in pieces)
@@ -98,12 +99,7 @@ class IPFraming:
     """Payloads are IPv4 or IPv6 packets (interoperation with other WireGuard peers)."""
 
     def encode(self, payload: bytes | bytearray | memoryview) -> bytearray:
-        length = len(payload)
-        if length > MAX_PAYLOAD:
-            raise ValueError(f"an IP packet is at most {MAX_PAYLOAD} bytes, not {length}")
-        plaintext = bytearray(_padded(length))
-        plaintext[:length] = payload
-        return plaintext
+        return _encoded(self, payload)
 
     def encode_into(self, buffer: bytearray, pieces: Sequence[Buffer]) -> memoryview:
         length = sum(len(piece) for piece in pieces)

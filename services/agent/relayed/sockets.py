@@ -44,7 +44,6 @@ class Bridge:
     stream: int
     local: LocalStream | None = None  # the program's socket, once attached
     opened: asyncio.Future[int] | None = None
-    finished: asyncio.Event = field(default_factory=asyncio.Event)  # both directions closed
     finish_sent: bool = False  # the program closed its side and the link said so
     # Delivered, not yet written: at the end of the relay read, or (bytes the peer sent as soon
     # as it accepted, at most the stream's credit window) once the socket is attached.
@@ -140,7 +139,7 @@ class LocalSockets:
 
     def delivered(self, key: tuple[bytes, int], bridge: Bridge, data: bytes | memoryview) -> None:
         """The peer sent `data`: written at the end of the relay read (`write_out`), or once
-        `splice` attaches the socket."""
+        `attach` gives the stream its socket."""
         bridge.outbox.append(data)
         if bridge.local is not None:
             self._touched[key] = bridge
@@ -196,7 +195,6 @@ class LocalSockets:
     def drop(self, bridge: Bridge) -> None:
         self.bridges.pop((bridge.peer.key, bridge.stream), None)
         bridge.outbox = []
-        bridge.finished.set()
         if bridge.local is not None:
             bridge.local.pending.clear()
             bridge.local.abort()
@@ -207,7 +205,6 @@ class LocalSockets:
         if stream not in peer.link.streams:
             bridge = self.bridges.pop((peer.key, stream), None)
             if bridge is not None:
-                bridge.finished.set()
                 if bridge.local is not None:
                     bridge.local.close()
                 self.counted()

@@ -55,7 +55,6 @@ RESENT = Counter(
 )
 
 HIGH_WATER = 2 << 20  # bytes queued to the relay before local reads pause
-READ_SIZE = 256 * 1024
 # A failed open or a reset carries a SOCKS5 reply code, which the shim maps to an errno.
 NOT_ALLOWED = ReplyCode.NOT_ALLOWED
 HOST_UNREACHABLE = ReplyCode.HOST_UNREACHABLE

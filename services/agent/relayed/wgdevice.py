@@ -40,9 +40,6 @@ class WgDevice:
         """What a relay meters of a payload of this many bytes (its padded plaintext)."""
         return self._device.framing.plaintext_size(payload)
 
-    def send(self, peer: bytes, payload: bytes, now: float) -> Wire:
-        return _wire(self._device.send(peer, payload, now))
-
     def send_pieces(self, peer: bytes, pieces: Sequence[bytes | memoryview], now: float) -> Wire:
         """`send` of the payload the pieces make, copied once into the plaintext."""
         return _wire(self._device.send_pieces(peer, pieces, now))
