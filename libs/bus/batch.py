@@ -171,7 +171,12 @@ class Batch:
         return len(self._writes)
 
     def put(self, bucket: Bucket[T], key: str, value: T) -> int:
-        return self._add(_Write("put", bucket._subjects + key, encode(value), None, bucket, key))
+        return self.put_encoded(bucket, key, encode(value))
+
+    def put_encoded(self, bucket: Bucket[T], key: str, data: bytes) -> int:
+        """A put of a value already encoded: one record written under many keys is encoded
+        once."""
+        return self._add(_Write("put", bucket._subjects + key, data, None, bucket, key))
 
     def create(self, bucket: Bucket[T], key: str, value: T, after: int = 0) -> int:
         """Write only if the key holds nothing. `after`: the key's last revision when known

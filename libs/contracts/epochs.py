@@ -52,14 +52,23 @@ class Epoch(Record):
 
 
 class JoinClaims(Record):
-    """What a join key says; signed by the epoch's mesh identity, valid once, for 15 minutes."""
+    """What a join key says; signed by the epoch's mesh identity, valid for 15 minutes, once
+    per member: `nonces` names each member with the nonce it redeems. `node` and `nonce` are
+    the one-member form of keys minted before one key served every member."""
 
     gang: str
     epoch: int
-    node: Name
     mesh_id: str
-    nonce: str
     expires_time: datetime
+    nonces: dict[Name, str] = {}
+    node: Name | None = None
+    nonce: str = ""
+
+    def nonce_of(self, node: str) -> str | None:
+        """The nonce `node` redeems, or None when the key does not name it."""
+        if self.node is not None:
+            return self.nonce if self.node == node else None
+        return self.nonces.get(node)
 
 
 class JoinKeyGrant(Record):

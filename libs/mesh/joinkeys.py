@@ -1,9 +1,10 @@
 """Join keys: Ed25519-signed claims minted by the epoch's fresh mesh identity.
 
 A token is `base64url(claims JSON) "." base64url(signature)`. The signing key lives only in
-the placer's memory while it mints the epoch's keys; the epoch record keeps the verify key.
-Single use is enforced by whoever redeems a key, with a compare-and-set create of
-`used.<nonce>` in the join-keys bucket.
+the placer's memory while it mints the epoch's key; the epoch record keeps the verify key.
+One key serves the epoch's members: it names each member with a nonce of its own, and one
+signature covers them all (a signature per member cost the placer a fifth of a decision).
+Single use is per member: its agent redeems its own nonce with a compare-and-set create.
 """
 
 from __future__ import annotations
@@ -35,19 +36,16 @@ class MeshIdentity:
     def __init__(self) -> None:
         self.mesh_id = secrets.token_hex(16)
         self._signing_key = SigningKey.generate()
+        self.verify_key = _b64(bytes(self._signing_key.verify_key))
 
-    @property
-    def verify_key(self) -> str:
-        return _b64(bytes(self._signing_key.verify_key))
-
-    def mint(self, gang: str, epoch: int, node: str, expires: datetime) -> str:
+    def mint(self, gang: str, epoch: int, nodes: list[str], expires: datetime) -> str:
+        """The epoch's join key: each of `nodes` may redeem it once, with its own nonce."""
         claims = JoinClaims(
             gang=gang,
             epoch=epoch,
-            node=node,
             mesh_id=self.mesh_id,
-            nonce=secrets.token_hex(16),
             expires_time=expires,
+            nonces={node: secrets.token_hex(16) for node in nodes},
         )
         body = encode(claims)
         signature = self._signing_key.sign(body).signature

@@ -85,9 +85,11 @@ class Membership:
                 ErrorCode.STALE_EPOCH,
                 f"{claims.gang}: join key for epoch {claims.epoch}, this node is on epoch {current}",
             )
-        if claims.node != self.node:
+        nonce = claims.nonce_of(self.node)
+        if nonce is None:
+            named = sorted(claims.nonces) if claims.node is None else [claims.node]
             raise NodusError(
-                ErrorCode.INVALID, f"join key names node {claims.node}, not {self.node}"
+                ErrorCode.INVALID, f"join key names {', '.join(named)}, not {self.node}"
             )
         epoch = grant.epoch
         if epoch is None or (epoch.gang, epoch.epoch) != (claims.gang, claims.epoch):
@@ -101,7 +103,7 @@ class Membership:
             raise NodusError(
                 ErrorCode.INVALID, "join key was not signed by the epoch's mesh identity"
             )
-        return epoch, self.member_of(epoch), claims.nonce
+        return epoch, self.member_of(epoch), nonce
 
     async def register(
         self,

@@ -17,7 +17,7 @@ from prometheus_client import Counter
 from libs.bus import Bus, Versioned, check_plan_generations
 from libs.bus.batch import Batches
 from libs.contracts import names
-from libs.contracts.base import now
+from libs.contracts.base import encode, now
 from libs.contracts.bounds import RELATIVE_TO_DIRECT, derive
 from libs.contracts.epochs import (
     AddressClaim,
@@ -225,17 +225,18 @@ class Committer:
         await self._release_all(lost)
 
     async def _grant_join_keys(self, placements: list[Placement]) -> None:
+        """The epoch's join key, under each member's own key (S1). The grant is the same for
+        every member, so it is encoded once."""
         batch = self.batches.batch()
         for p in placements:
             record = p.record
-            gang, epoch, expires = record.gang, record.epoch, record.join_keys_expire_time
-            for m in record.members:
-                grant = JoinKeyGrant(
-                    token=p.mesh.mint(gang, epoch, m.node, expires),
-                    verify_key=p.mesh.verify_key,
-                    epoch=record,
+            nodes = [m.node for m in record.members]
+            token = p.mesh.mint(record.gang, record.epoch, nodes, record.join_keys_expire_time)
+            grant = encode(JoinKeyGrant(token=token, verify_key=p.mesh.verify_key, epoch=record))
+            for node in nodes:
+                batch.put_encoded(
+                    self.joinkeys, names.joinkey_key(node, p.gang, record.epoch), grant
                 )
-                batch.put(self.joinkeys, names.joinkey_key(m.node, gang, epoch), grant)
         await batch.send()
 
     async def _mark_placed(self, placements: list[Placement]) -> None:

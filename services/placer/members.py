@@ -41,6 +41,11 @@ class MemberWatch:
         else:
             self.active.pop(key, None)
 
+    def placed(self, record: Epoch) -> None:
+        """An epoch this replica just placed: its members' boots known without a read (a
+        burst of placements read each epoch back on the next check, one get per gang)."""
+        self._boots[record.gang] = (record.epoch, {m.node: m.boot_id for m in record.members})
+
     async def _placed_boots(self, key: str, epoch: int) -> dict[str, str]:
         """The boot of each member's machine when `epoch` was placed, read once per epoch."""
         cached = self._boots.get(key)

@@ -329,6 +329,7 @@ class Placer:
                     raise committed
                 for placement in placements:
                     if not placement.lost:
+                        self.members.placed(placement.record)
                         self._waiting.discard(placement.gang)
                         decided(placement.gang, "placed")
                 todo = [placement.gang for placement in placements if placement.lost]

@@ -203,16 +203,19 @@ async def test_epochs_carry_a_fresh_identity_and_join_keys_for_their_members_onl
         seen_mesh_ids.add(epoch.mesh_id)
         expires = epoch.join_keys_expire_time - epoch.created_time
         assert timedelta(minutes=14, seconds=59) < expires <= timedelta(minutes=15)
+        nonces = set()
         for member in epoch.members:
             grant = await grants.get(names.joinkey_key(member.node, placed_job.key, 1))
             assert grant is not None
             claims = verify_join_key(grant.value.token, epoch.verify_key, now())
-            assert (claims.gang, claims.epoch, claims.node, claims.mesh_id) == (
+            assert (claims.gang, claims.epoch, claims.mesh_id) == (
                 placed_job.key,
                 1,
-                member.node,
                 epoch.mesh_id,
             )
+            assert set(claims.nonces) == {m.node for m in epoch.members}
+            nonces.add(claims.nonce_of(member.node))
+        assert len(nonces) == len(epoch.members), "each member redeems a nonce of its own"
     assert len(seen_mesh_ids) == 3
     # A key checked against another epoch's identity is refused.
     other = await epochs.get(names.epoch_key(placed_gangs["rl"].key, 1))
