@@ -181,9 +181,13 @@ class Batch:
     def create(self, bucket: Bucket[T], key: str, value: T, after: int = 0) -> int:
         """Write only if the key holds nothing. `after`: the key's last revision when known
         to be a delete (a watch saw it); a stale one only costs the careful path."""
+        return self.create_encoded(bucket, key, encode(value), after)
+
+    def create_encoded(self, bucket: Bucket[T], key: str, data: bytes, after: int = 0) -> int:
+        """A create of a value already encoded (see `put_encoded`)."""
         headers = {EXPECTED_LAST_SUBJECT_SEQUENCE: str(after)}
         return self._add(
-            _Write("create", bucket._subjects + key, encode(value), headers, bucket, key, after)
+            _Write("create", bucket._subjects + key, data, headers, bucket, key, after)
         )
 
     def update(self, bucket: Bucket[T], key: str, value: T, revision: int) -> int:

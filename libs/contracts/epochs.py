@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
+import msgspec
+
 from libs.contracts.base import Name, Record
 from libs.contracts.jobs import PathClass
 
@@ -78,6 +80,15 @@ class JoinKeyGrant(Record):
     token: str
     verify_key: str
     epoch: Epoch | None = None
+
+
+class JoinKeyGrantWire(Record):
+    """A JoinKeyGrant as written, its epoch given already encoded: the placer writes that
+    epoch as its own record too, and encodes it once. Read it back as a JoinKeyGrant."""
+
+    token: str
+    verify_key: str
+    epoch: msgspec.Raw
 
 
 class Lease(Record):

@@ -7,6 +7,7 @@ import functools
 import ipaddress
 
 MESH_NETWORK = ipaddress.IPv4Network("100.64.0.0/10")
+_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a fleet's addresses, judged on every plan: parse once
@@ -21,6 +22,7 @@ def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     return ip
 
 
+@functools.lru_cache(maxsize=1 << 16)  # judged again for every plan that advertises it
 def address_problem(address: str) -> str | None:
     """C4: an advertised address must be a real unicast address."""
     ip = _ip(address)
@@ -30,7 +32,7 @@ def address_problem(address: str) -> str | None:
         return f"{address} is unspecified"
     if ip.is_multicast:
         return f"{address} is multicast"
-    if isinstance(ip, ipaddress.IPv4Address) and ip == ipaddress.IPv4Address("255.255.255.255"):
+    if isinstance(ip, ipaddress.IPv4Address) and ip == _BROADCAST:
         return f"{address} is broadcast"
     return None
 

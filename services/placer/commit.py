@@ -24,6 +24,7 @@ from libs.contracts.epochs import (
     Epoch,
     EpochMember,
     JoinKeyGrant,
+    JoinKeyGrantWire,
     Lease,
     Ranktable,
     RanktableEntry,
@@ -68,6 +69,7 @@ class Placement:
     record: Epoch
     lease: Lease
     slots: list[int]  # each member's relay slot (Relayed only)
+    record_json: bytes = b""  # the epoch record encoded, once (it is written twice)
     held: dict[str, int] = field(default_factory=dict)  # node -> lease revision
     claimed: list[tuple[str, int]] = field(default_factory=list)  # address key, revision
     lost: bool = False
@@ -217,7 +219,10 @@ class Committer:
         persisted the same epoch first wins the job."""
         batch = self.batches.batch()
         for p in placements:
-            batch.create(self.epochs, names.epoch_key(p.gang, p.record.epoch), p.record)
+            p.record_json = encode(p.record)
+            batch.create_encoded(
+                self.epochs, names.epoch_key(p.gang, p.record.epoch), p.record_json
+            )
         revisions = await batch.send()
         lost = [p for p, revision in zip(placements, revisions, strict=True) if revision is None]
         for _ in lost:
@@ -232,7 +237,8 @@ class Committer:
             record = p.record
             nodes = [m.node for m in record.members]
             token = p.mesh.mint(record.gang, record.epoch, nodes, record.join_keys_expire_time)
-            grant = encode(JoinKeyGrant(token=token, verify_key=p.mesh.verify_key, epoch=record))
+            epoch = msgspec.Raw(p.record_json)
+            grant = encode(JoinKeyGrantWire(token=token, verify_key=p.mesh.verify_key, epoch=epoch))
             for node in nodes:
                 batch.put_encoded(
                     self.joinkeys, names.joinkey_key(node, p.gang, record.epoch), grant
@@ -420,6 +426,7 @@ class Committer:
         t: datetime,
         relay_slots: list[int],
     ) -> Epoch:
+        devices = {m.node: device_names(records[m.node]) for m in plan.members}
         envs = rank_environments(
             job,
             plan,
@@ -428,6 +435,7 @@ class Committer:
             self.config.master_port,
             self.config.shim_path,
             self.config.checkpoint_root,
+            devices,
         )
         bounds = derive(plan.path, len(plan.members))
         return Epoch(
@@ -442,7 +450,7 @@ class Committer:
                     node=m.node,
                     address=m.address,
                     interface=m.interface,
-                    devices=device_names(records[m.node]),
+                    devices=devices[m.node],
                     env=envs[m.rank],
                     boot_id=records[m.node].boot_id,
                     relay_slot=relay_slots[i] if relay_slots else 0,

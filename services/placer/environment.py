@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import ipaddress
-
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeRecord
 from libs.contracts.jobs import Job, PathClass
 from libs.netshim import shim_env
+from services.placer.addresses import ip_family
 from services.placer.planner import Plan
 
 OTHER_BACKEND_VAR = {"cuda": "HIP_VISIBLE_DEVICES", "rocm": "CUDA_VISIBLE_DEVICES"}
@@ -59,38 +58,51 @@ def rank_environments(
     master_port: int,
     shim_path: str,
     checkpoint_root: str | None = None,
+    devices: dict[str, list[str]] | None = None,
 ) -> list[dict[str, str]]:
-    """The whole environment of every rank, in rank order."""
+    """The whole environment of every rank, in rank order. `devices`: each member's device
+    names when the caller has them already (`device_names`)."""
     members = plan.members
-    world = len(members)
+    world = str(len(members))
     addresses = [member.address for member in members]
+    node_ips = ",".join(addresses)
     master = addresses[0]
-    family = "AF_INET6" if ipaddress.ip_address(master).version == 6 else "AF_INET"
+    family = "AF_INET6" if ip_family(master) == 6 else "AF_INET"
+    user_env: dict[str, str] = dict(job.spec.image.env)
+    user_env.update(job.spec.env)  # the user's values, NCCL_* included, win over the image's
+    runs, epoch_text, port = str(job.status.runs), str(epoch), str(master_port)
+    rdzv = _endpoint(master, master_port)
+    checkpoint = checkpoint_dir(checkpoint_root, job) if checkpoint_root else None
+    relayed = plan.path is PathClass.RELAYED
+    preload = job.spec.env.get("LD_PRELOAD") or job.spec.image.env.get("LD_PRELOAD")
+    checked: set[str] = set()
     envs: list[dict[str, str]] = []
     for member in members:
         record = records[member.node]
         acc = record.inventory.accelerators
-        check_backend_names(job, acc.backend)
-        devices = device_names(record)
-        env: dict[str, str] = dict(job.spec.image.env)
-        env.update(job.spec.env)  # the user's values, NCCL_* included, win over the image's
+        if acc.backend not in checked:
+            check_backend_names(job, acc.backend)
+            checked.add(acc.backend)
+        names = devices[member.node] if devices is not None else device_names(record)
+        rank = str(member.rank)
+        env = dict(user_env)
         env.update(
             {
                 "NODUS_GANG": job.key,
-                "NODUS_EPOCH": str(epoch),
+                "NODUS_EPOCH": epoch_text,
                 # How many earlier epochs started this job's ranks: a restart resumes.
-                "NODUS_RESTART_COUNT": str(job.status.runs),
-                "TORCHELASTIC_RESTART_COUNT": str(job.status.runs),
+                "NODUS_RESTART_COUNT": runs,
+                "TORCHELASTIC_RESTART_COUNT": runs,
                 "NODUS_GANG_TRANSPORT": plan.path.value,
                 "MASTER_ADDR": master,
-                "MASTER_PORT": str(master_port),
-                "PET_RDZV_ENDPOINT": _endpoint(master, master_port),
-                "PET_NNODES": str(world),
-                "PET_NODE_RANK": str(member.rank),
-                "NODE_RANK": str(member.rank),
-                "RANK": str(member.rank),
-                "WORLD_SIZE": str(world),
-                "NODUS_NODE_IPS": ",".join(addresses),
+                "MASTER_PORT": port,
+                "PET_RDZV_ENDPOINT": rdzv,
+                "PET_NNODES": world,
+                "PET_NODE_RANK": rank,
+                "NODE_RANK": rank,
+                "RANK": rank,
+                "WORLD_SIZE": world,
+                "NODUS_NODE_IPS": node_ips,
                 # The path fixes these four NCCL_*; every other one the user sets wins (G8).
                 "NCCL_SOCKET_IFNAME": member.interface,
                 "GLOO_SOCKET_IFNAME": member.interface,
@@ -99,14 +111,14 @@ def rank_environments(
                 "NCCL_IB_DISABLE": "1",
                 "NODUS_ACCELERATOR_BACKEND": acc.backend,
                 "NODUS_COLLECTIVES": acc.collectives,
-                "NODUS_DEVICES": ",".join(devices),
-                acc.visible_devices_var: ",".join(str(i) for i in range(len(devices))),
+                "NODUS_DEVICES": ",".join(names),
+                acc.visible_devices_var: ",".join(str(i) for i in range(len(names))),
             }
         )
-        if checkpoint_root:
-            env["NODUS_CHECKPOINT_DIR"] = checkpoint_dir(checkpoint_root, job)
+        if checkpoint is not None:
+            env["NODUS_CHECKPOINT_DIR"] = checkpoint
         env.pop("LD_PRELOAD", None)
-        if plan.path is PathClass.RELAYED:
+        if relayed:
             # The shim first, then the image's own preloads (G8).
             env.update(
                 shim_env(
@@ -116,9 +128,7 @@ def rank_environments(
                     preload=job.spec.image.env.get("LD_PRELOAD", ""),
                 )
             )
-        else:
-            preload = job.spec.env.get("LD_PRELOAD") or job.spec.image.env.get("LD_PRELOAD")
-            if preload:
-                env["LD_PRELOAD"] = preload
+        elif preload:
+            env["LD_PRELOAD"] = preload
         envs.append(env)
     return envs

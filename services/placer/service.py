@@ -236,8 +236,10 @@ class Placer:
             job = change.value
             if job is None:
                 self.cache.forget(change.key)
-            else:
-                self.cache.saw(Versioned(change.key, job, change.revision))
+            elif not self.cache.saw(Versioned(change.key, job, change.revision)):
+                # This replica wrote a newer version already (a burst's Pending arrives after
+                # it was placed); the watch brings that version next.
+                continue
             self.members.track(change.key, job)
             if job is not None and job.status.phase in FINISHED_PHASES and job.status.epoch:
                 self._finished(job)
