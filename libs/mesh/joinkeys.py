@@ -30,6 +30,12 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+def _nonces(count: int) -> list[str]:
+    """`count` random 128-bit nonces, in hex, from one read of the system's randomness."""
+    pool = secrets.token_hex(16 * count)
+    return [pool[i : i + 32] for i in range(0, 32 * count, 32)]
+
+
 class MeshIdentity:
     """A fresh identity per epoch: a mesh id and the key that signs its join keys."""
 
@@ -45,7 +51,7 @@ class MeshIdentity:
             epoch=epoch,
             mesh_id=self.mesh_id,
             expires_time=expires,
-            nonces={node: secrets.token_hex(16) for node in nodes},
+            nonces=dict(zip(nodes, _nonces(len(nodes)), strict=True)),
         )
         body = encode(claims)
         signature = self._signing_key.sign(body).signature

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeRecord
 from libs.contracts.jobs import Job, PathClass
@@ -10,6 +12,12 @@ from services.placer.addresses import ip_family
 from services.placer.planner import Plan
 
 OTHER_BACKEND_VAR = {"cuda": "HIP_VISIBLE_DEVICES", "rocm": "CUDA_VISIBLE_DEVICES"}
+
+
+@functools.cache
+def _indexes(count: int) -> str:
+    """0,1,..,count-1: what a rank's *_VISIBLE_DEVICES holds."""
+    return ",".join(str(i) for i in range(count))
 
 
 def _endpoint(address: str, port: int) -> str:
@@ -112,7 +120,7 @@ def rank_environments(
                 "NODUS_ACCELERATOR_BACKEND": acc.backend,
                 "NODUS_COLLECTIVES": acc.collectives,
                 "NODUS_DEVICES": ",".join(names),
-                acc.visible_devices_var: ",".join(str(i) for i in range(len(names))),
+                acc.visible_devices_var: _indexes(len(names)),
             }
         )
         if checkpoint is not None:
