@@ -17,6 +17,9 @@ runner's own probe (a short throughput sample through the same tunnels, reported
                            (the 2 members' dataplanes + the relays that carried a short
                            A -> B stream, measured from their written bytes: a relay
                            delivers straight to a member connected to it, so usually one)
+              sealed_chain the same hops, the first sealing with ChaCha20-Poly1305 (TLS 1.2,
+                           WireGuard's AEAD) and the last opening: the same cryptography as
+                           the Relayed path, so its ratio is the Relayed path's own overhead
               relayed      through agent A's SOCKS5 entry, the relays, agent B's tunnel
             Goodput (Mbit/s), CPU seconds per Gbit of the processes that carry the bytes
             (socat processes and their forked children; both agents, the dataplanes they
@@ -103,7 +106,7 @@ def completed(result: dict[str, Any]) -> bool:
     if "error" in result:
         return False
     off, on = result.get("cap_off", {}), result.get("cap_on", {})
-    checks = [off.get(p, {}).get("intact") for p in ("direct", "socat", "socat_chain", "relayed")]
+    checks = [off.get(p, {}).get("intact") for p in ("direct", "socat", "socat_chain", "sealed_chain", "relayed")]
     checks.append(all_intact(off["relayed_both_ways"]) if "relayed_both_ways" in off else None)
     one = on.get("one_gang", {})
     checks += [
@@ -145,20 +148,23 @@ async def run_async(args: argparse.Namespace, state: Path) -> dict[str, Any]:
     return result
 
 
-# The relayed path's cap-off goodput over a socat chain of the same hops, measured in the same
-# run: a timing is noise on these machines, a ratio below this is a regression (issue 23).
-GUARD_RELAYED_OVER_CHAIN = 0.5
+# The relayed path's cap-off goodput over a chain of as many socat hops doing the same
+# cryptography (sealed chain), measured in the same run: a timing is noise on these machines, a
+# ratio below this is a regression (issue 23). Against the plain chain, which seals nothing,
+# the ratio depends on how fast the machine's ChaCha20-Poly1305 is (0.48 to 1.0 seen).
+GUARD_RELAYED_OVER_SEALED_CHAIN = 0.5
 
 
 def guard(result: dict[str, Any]) -> str | None:
     """Why the run's figures fall below their guard, or None."""
-    ratio = result.get("cap_off", {}).get("ratios", {}).get("relayed_over_socat_chain")
+    ratio = result.get("cap_off", {}).get("ratios", {}).get("relayed_over_sealed_chain")
     if ratio is None:
-        return "no relayed-over-socat-chain ratio was measured"
-    if ratio < GUARD_RELAYED_OVER_CHAIN:
+        return "no relayed-over-sealed-chain ratio was measured"
+    if ratio < GUARD_RELAYED_OVER_SEALED_CHAIN:
         return (
-            f"guard relayed_over_socat_chain: {ratio} is below {GUARD_RELAYED_OVER_CHAIN} "
-            "(cap off, the same run's socat chain of as many hops)"
+            f"guard relayed_over_sealed_chain: {ratio} is below "
+            f"{GUARD_RELAYED_OVER_SEALED_CHAIN} (cap off, the same run's socat chain of as many "
+            "hops, sealing with ChaCha20-Poly1305 at its first and opening at its last)"
         )
     return None
 
@@ -171,7 +177,7 @@ async def measured(args: argparse.Namespace, state: Path) -> dict[str, Any]:
     if not result["intact"] and "error" not in result:
         result["error"] = "bytes were lost or corrupted (see the flows marked intact: false)"
     below = guard(result)
-    result["guard"] = {"relayed_over_socat_chain_at_least": GUARD_RELAYED_OVER_CHAIN}
+    result["guard"] = {"relayed_over_sealed_chain_at_least": GUARD_RELAYED_OVER_SEALED_CHAIN}
     if below is not None and "error" not in result:
         result["error"] = below
     return result

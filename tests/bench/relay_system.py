@@ -11,12 +11,15 @@ import asyncio
 import subprocess
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
+from cryptography.hazmat.primitives import serialization
 
 from app.local import LocalSystem
+from libs.bus.cluster import new_authority
 from libs.bus.server import free_port
 from libs.client.client import Client
 from libs.contracts import names
@@ -67,9 +70,19 @@ def stop_system(system: LocalSystem) -> None:
     kill_left_behind(spawned)
 
 
-def spawn_socat(port: int, target: str) -> subprocess.Popen[bytes]:
+# The AEAD WireGuard seals with; TLS 1.2 because socat sets no TLS 1.3 suites.
+SEALED = "max-version=TLS1.2,cipher=ECDHE-ECDSA-CHACHA20-POLY1305,verify=0"
+
+
+def spawn_socat(port: int, target: str, listen: str = "TCP-LISTEN") -> subprocess.Popen[bytes]:
+    """`listen`: the listening address type and, after a comma, any options of its own."""
+    kind, _, options = listen.partition(",")
     return subprocess.Popen(
-        ["socat", f"TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr", target],
+        [
+            "socat",
+            f"{kind}:{port},bind=127.0.0.1,fork,reuseaddr{',' + options if options else ''}",
+            target,
+        ],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -288,14 +301,40 @@ class Bench:
 
         return open_
 
-    async def socat_chain(self, hops: int, sink: Sink) -> tuple[int, list[int]]:
+    def _certificate(self) -> tuple[Path, Path]:
+        """A self-signed certificate for the sealed chain's opening hop (made once)."""
+        cert, key = self.state / "sealed-chain.crt", self.state / "sealed-chain.key"
+        if not cert.exists():
+            private, certificate = new_authority(datetime.now(UTC))
+            key.write_bytes(
+                private.private_bytes(
+                    serialization.Encoding.PEM,
+                    serialization.PrivateFormat.PKCS8,
+                    serialization.NoEncryption(),
+                )
+            )
+            cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+        return cert, key
+
+    async def socat_chain(
+        self, hops: int, sink: Sink, sealed: bool = False
+    ) -> tuple[int, list[int]]:
         """`hops` socat relays in a row in front of `sink`; returns the first port and pids.
-        Started from the last hop back, each probed before the next starts."""
+        Started from the last hop back, each probed before the next starts. `sealed` (at
+        least 2 hops): the first hop seals what it forwards with ChaCha20-Poly1305 (TLS) and
+        the last opens it, as the members' dataplanes do; the hops between carry it sealed,
+        as relays do."""
         target, pids = f"TCP:{sink.host}:{sink.port}", []
         port = 0
-        for _ in range(hops):
+        for hop in range(hops):
             port = free_port()
-            proc = spawn_socat(port, target)
+            listen = "TCP-LISTEN"
+            if sealed and hop == 0:  # the hop next to the sink opens
+                cert, key = self._certificate()
+                listen = f"OPENSSL-LISTEN,cert={cert},key={key},{SEALED}"
+            if sealed and hop == hops - 1:  # the first hop seals
+                target = f"OPENSSL{target.removeprefix('TCP')},{SEALED}"
+            proc = spawn_socat(port, target, listen)
             _procs.append(proc)
             pids.append(proc.pid)
             for _attempt in range(200):

@@ -20,7 +20,7 @@ def test_quick_bench_completes_with_every_figure_and_intact_bytes() -> None:
     assert result["intact"] is True
 
     off = result["cap_off"]
-    for path in ("direct", "socat", "socat_chain", "relayed"):
+    for path in ("direct", "socat", "socat_chain", "sealed_chain", "relayed"):
         assert off[path]["intact"] is True
         assert off[path]["mbit_s_median"] > 0
     assert off["relayed"]["cpu_s_per_gbit_median"] is not None
@@ -28,6 +28,8 @@ def test_quick_bench_completes_with_every_figure_and_intact_bytes() -> None:
         "relayed_over_direct",
         "relayed_over_socat",
         "cpu_per_gbit_relayed_over_socat",
+        "relayed_over_sealed_chain",
+        "cpu_per_gbit_relayed_over_sealed_chain",
     }
 
     one = result["cap_on"]["one_gang"]
