@@ -53,10 +53,16 @@ class Epoch(Record):
     fenced: bool = False
 
 
+# An agent that reads a join key naming every member (`JoinClaims.nonces`) says so among its
+# capabilities; a gang with any member whose agent does not gets a one-member key each.
+CAPABILITY_JOIN_KEY_MEMBERS = "join-key-members"
+
+
 class JoinClaims(Record):
     """What a join key says; signed by the epoch's mesh identity, valid for 15 minutes, once
     per member: `nonces` names each member with the nonce it redeems. `node` and `nonce` are
-    the one-member form of keys minted before one key served every member."""
+    the one-member form, minted for a gang with an agent that reads no other (see
+    CAPABILITY_JOIN_KEY_MEMBERS)."""
 
     gang: str
     epoch: int

@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from libs.contracts.epochs import CAPABILITY_JOIN_KEY_MEMBERS
 from libs.contracts.fleet import AcceleratorDevice, Accelerators, Inventory, MachineFacts
 from libs.contracts.jobs import Backend
 from libs.discovery.gpus import DiscoveryError, GpuReport, model_of
 
 # What every agent implements; the placer refuses plans needing more (C6).
-BASE_CAPABILITIES = ["register", "heartbeat", "join-epoch"]
+BASE_CAPABILITIES = ["register", "heartbeat", "join-epoch", CAPABILITY_JOIN_KEY_MEMBERS]
 NO_ACCELERATORS = "none"  # the model of a machine without GPUs (count 0)
 
 

@@ -1,10 +1,11 @@
 """Join keys: Ed25519-signed claims minted by the epoch's fresh mesh identity.
 
 A token is `base64url(claims JSON) "." base64url(signature)`. The signing key lives only in
-the placer's memory while it mints the epoch's key; the epoch record keeps the verify key.
+the placer's memory while it mints the epoch's keys; the epoch record keeps the verify key.
 One key serves the epoch's members: it names each member with a nonce of its own, and one
 signature covers them all (a signature per member cost the placer a fifth of a decision).
-Single use is per member: its agent redeems its own nonce with a compare-and-set create.
+Agents that read no such key (older ones) get a one-member key each (`mint_each`). Single
+use is per member: its agent redeems its own nonce with a compare-and-set create.
 """
 
 from __future__ import annotations
@@ -53,6 +54,27 @@ class MeshIdentity:
             expires_time=expires,
             nonces=dict(zip(nodes, _nonces(len(nodes)), strict=True)),
         )
+        return self._signed(claims)
+
+    def mint_each(
+        self, gang: str, epoch: int, nodes: list[str], expires: datetime
+    ) -> dict[str, str]:
+        """A one-member key for each of `nodes`, which any agent reads."""
+        return {
+            node: self._signed(
+                JoinClaims(
+                    gang=gang,
+                    epoch=epoch,
+                    mesh_id=self.mesh_id,
+                    expires_time=expires,
+                    node=node,
+                    nonce=nonce,
+                )
+            )
+            for node, nonce in zip(nodes, _nonces(len(nodes)), strict=True)
+        }
+
+    def _signed(self, claims: JoinClaims) -> str:
         body = encode(claims)
         signature = self._signing_key.sign(body).signature
         return f"{_b64(body)}.{_b64(signature)}"

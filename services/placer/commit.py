@@ -20,6 +20,7 @@ from libs.contracts import names
 from libs.contracts.base import encode, now
 from libs.contracts.bounds import RELATIVE_TO_DIRECT, derive
 from libs.contracts.epochs import (
+    CAPABILITY_JOIN_KEY_MEMBERS,
     AddressClaim,
     Epoch,
     EpochMember,
@@ -230,20 +231,29 @@ class Committer:
         await self._release_all(lost)
 
     async def _grant_join_keys(self, placements: list[Placement]) -> None:
-        """The epoch's join key, under each member's own key (S1). The grant is the same for
-        every member, so it is encoded once."""
+        """The epoch's join key, under each member's own key (S1): one key naming every
+        member, the same grant for each, encoded once; a one-member key each when a member's
+        agent reads no other."""
         batch = self.batches.batch()
         for p in placements:
             record = p.record
+            gang, epoch, expires = record.gang, record.epoch, record.join_keys_expire_time
             nodes = [m.node for m in record.members]
-            token = p.mesh.mint(record.gang, record.epoch, nodes, record.join_keys_expire_time)
-            epoch = msgspec.Raw(p.record_json)
-            grant = encode(JoinKeyGrantWire(token=token, verify_key=p.mesh.verify_key, epoch=epoch))
+            epoch_json = msgspec.Raw(p.record_json)
+            if all(self._reads_shared_keys(node) for node in nodes):
+                token = p.mesh.mint(gang, epoch, nodes, expires)
+                tokens = dict.fromkeys(nodes, token)
+                shared = encode(JoinKeyGrantWire(token, p.mesh.verify_key, epoch_json))
+            else:
+                tokens, shared = p.mesh.mint_each(gang, epoch, nodes, expires), b""
             for node in nodes:
-                batch.put_encoded(
-                    self.joinkeys, names.joinkey_key(node, p.gang, record.epoch), grant
-                )
+                grant = shared or encode(JoinKeyGrantWire(tokens[node], p.mesh.verify_key, epoch_json))
+                batch.put_encoded(self.joinkeys, names.joinkey_key(node, gang, epoch), grant)
         await batch.send()
+
+    def _reads_shared_keys(self, node: str) -> bool:
+        record = self.view.records.get(node)
+        return record is not None and CAPABILITY_JOIN_KEY_MEMBERS in record.capabilities
 
     async def _mark_placed(self, placements: list[Placement]) -> None:
         """Each job says Placed, unless it changed meanwhile: then its epoch is undone."""

@@ -66,9 +66,10 @@ POOLS = [
 # scans the whole free view).
 SCARCE = Pool("coreweave", "us-east-4", "us", "vm", None, "cuda", "B200", 8, 0)
 SCARCE_MACHINES = 24
-# Share of VMs whose agent is older and lacks `wireguard-device` (C6): Private path only.
+# Share of VMs whose agent is older and lacks `wireguard-device` (C6): Private path only. It
+# reads no join key naming every member either: its gangs get a one-member key each.
 OLD_AGENT_SHARE = 0.02
-BASE_CAPABILITIES = ["register", "heartbeat", "join-epoch"]
+OLD_AGENT_CAPABILITIES = ["register", "heartbeat", "join-epoch"]
 
 
 def _address(index: int, first: int, second_base: int) -> str:
@@ -113,7 +114,7 @@ def build_fleet(machines: int, rng: random.Random) -> list[NodeRecord]:
         m = make_machine(f"{prefix}-{per_pool[prefix]:05d}", **fields)
         capabilities = None
         if pool.offering == "vm" and rng.random() < OLD_AGENT_SHARE:
-            capabilities = list(BASE_CAPABILITIES)
+            capabilities = list(OLD_AGENT_CAPABILITIES)
         records.append(
             node_record(m, capabilities=capabilities, namespace=f"netns-{pool.provider}")
         )

@@ -106,7 +106,10 @@ def completed(result: dict[str, Any]) -> bool:
     if "error" in result:
         return False
     off, on = result.get("cap_off", {}), result.get("cap_on", {})
-    checks = [off.get(p, {}).get("intact") for p in ("direct", "socat", "socat_chain", "sealed_chain", "relayed")]
+    checks = [
+        off.get(p, {}).get("intact")
+        for p in ("direct", "socat", "socat_chain", "sealed_chain", "relayed")
+    ]
     checks.append(all_intact(off["relayed_both_ways"]) if "relayed_both_ways" in off else None)
     one = on.get("one_gang", {})
     checks += [

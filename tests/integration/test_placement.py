@@ -259,6 +259,29 @@ async def test_the_epoch_is_persisted_before_any_join_key_names_it(
         watcher.cancel()
 
 
+async def test_a_gang_with_an_older_agent_gets_a_one_member_key_each(
+    bus: Bus, start_placer: StartPlacer
+) -> None:
+    """An agent that does not say it reads a key naming every member (an older one, mid
+    upgrade) is given a key that names it alone; its gang's other members too."""
+    older = ["register", "heartbeat", "join-epoch"]
+    await register(
+        bus, [node_record(m, capabilities=older if m.name == "aws-a" else None) for m in FLEET]
+    )
+    await start_placer()
+    await Client(bus).apply(PRIVATE)
+    await placed(bus, PRIVATE.key)
+    stored = await bus.bucket(names.BUCKET_EPOCHS, Epoch).get(names.epoch_key(PRIVATE.key, 1))
+    assert stored is not None
+    grants = bus.bucket(names.BUCKET_JOINKEYS, JoinKeyGrant)
+    for member in stored.value.members:
+        grant = await grants.get(names.joinkey_key(member.node, PRIVATE.key, 1))
+        assert grant is not None and grant.value.epoch == stored.value
+        claims = verify_join_key(grant.value.token, stored.value.verify_key, now())
+        assert (claims.node, claims.nonces) == (member.node, {})
+        assert claims.nonce_of(member.node)
+
+
 async def test_ranktables_per_gang_and_the_global_view_in_order(
     bus: Bus, start_placer: StartPlacer
 ) -> None:

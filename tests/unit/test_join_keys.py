@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 
-from libs.contracts.base import encode, now
-from libs.contracts.epochs import JoinClaims
+from libs.contracts.base import Record, decode, now
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.mesh import MeshIdentity, verify_join_key
-from libs.mesh.joinkeys import _b64
+from libs.mesh.joinkeys import _b64, _unb64
 
 
 def test_one_key_names_each_member_with_its_own_nonce() -> None:
@@ -38,19 +37,24 @@ def test_a_key_of_another_identity_or_expired_is_refused() -> None:
         verify_join_key(forged, mesh.verify_key, t)
 
 
-def test_a_one_member_key_of_an_older_placer_still_verifies() -> None:
+class OlderClaims(Record):
+    """JoinClaims as agents read them before one key named every member."""
+
+    gang: str
+    epoch: int
+    node: str
+    mesh_id: str
+    nonce: str
+    expires_time: datetime
+
+
+def test_one_member_keys_are_what_an_older_agent_reads() -> None:
     mesh = MeshIdentity()
     t = now()
-    claims = JoinClaims(
-        gang="acme.llama",
-        epoch=1,
-        node="a",
-        mesh_id=mesh.mesh_id,
-        nonce="n1",
-        expires_time=t + timedelta(minutes=15),
-    )
-    body = encode(claims)
-    token = f"{_b64(body)}.{_b64(mesh._signing_key.sign(body).signature)}"
-    verified = verify_join_key(token, mesh.verify_key, t)
-    assert verified.nonce_of("a") == "n1"
-    assert verified.nonce_of("b") is None
+    tokens = mesh.mint_each("acme.llama", 2, ["a", "b"], t + timedelta(minutes=15))
+    for node, token in tokens.items():
+        claims = verify_join_key(token, mesh.verify_key, t)
+        assert claims.nonce_of(node) and claims.nonce_of("a" if node == "b" else "b") is None
+        older = decode(_unb64(token.split(".")[0]), OlderClaims)  # no field it does not know
+        assert (older.node, older.nonce) == (node, claims.nonce_of(node))
+    assert len({verify_join_key(t_, mesh.verify_key, t).nonce for t_ in tokens.values()}) == 2
