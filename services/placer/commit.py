@@ -247,7 +247,9 @@ class Committer:
             else:
                 tokens, shared = p.mesh.mint_each(gang, epoch, nodes, expires), b""
             for node in nodes:
-                grant = shared or encode(JoinKeyGrantWire(tokens[node], p.mesh.verify_key, epoch_json))
+                grant = shared or encode(
+                    JoinKeyGrantWire(tokens[node], p.mesh.verify_key, epoch_json)
+                )
                 batch.put_encoded(self.joinkeys, names.joinkey_key(node, gang, epoch), grant)
         await batch.send()
 

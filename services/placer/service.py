@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import random
 import secrets
 import time
 
@@ -50,6 +51,14 @@ FREE_NODES = Gauge("nodus_placer_free_nodes", "Live, healthy machines no gang ho
 WAITING_JOBS = Gauge("nodus_placer_waiting_jobs", "Admitted jobs waiting for capacity")
 
 STALE_SWEEP_TICKS = 15  # seconds between stale-lease sweeps
+
+
+def _race_backoff(attempt: int) -> float:
+    """How long a placement that lost a race waits before planning again: random, and longer
+    after each loss. Two replicas that both took a job (a takeover) and lost to each other
+    retried in step, each woken by the other's release, and split the gang's machines between
+    them for minutes (chaos seed 528796)."""
+    return random.uniform(0.0, min(1.0, 0.02 * 2**attempt))
 
 
 class Placer:
@@ -286,6 +295,10 @@ class Placer:
     async def release_stale_leases(self, grace_seconds: float = STALE_LEASE_SECONDS) -> int:
         return await self.members.release_stale_leases(grace_seconds)
 
+    def _retry(self, key: str) -> None:
+        self._waiting.add(key)
+        self.queue.mark(key)
+
     def _capacity_changed(self) -> None:
         for key in list(self._waiting):
             self.queue.mark(key)
@@ -335,8 +348,13 @@ class Placer:
                         self._waiting.discard(placement.gang)
                         decided(placement.gang, "placed")
                 todo = [placement.gang for placement in placements if placement.lost]
+                if todo:
+                    await asyncio.sleep(_race_backoff(attempt))
             for key in todo:
-                self._waiting.add(key)
+                # Not at the next capacity change, which the rival's own release makes at once.
+                asyncio.get_running_loop().call_later(
+                    _race_backoff(self.config.max_attempts), self._retry, key
+                )
                 decided(key, "gave_up")
         except asyncio.CancelledError:
             raise

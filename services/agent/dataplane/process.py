@@ -161,7 +161,18 @@ async def _main(args: argparse.Namespace) -> int:
         log.info("dataplane of %s epoch %d starts (pid %d)", node.gang, node.epoch, os.getpid())
         return await process.run()
     finally:
+        # Stopping already: a SIGTERM now (the agent stops a dataplane that ended by itself)
+        # does nothing. Left to the loop's handler, one that came as the loop closed and put
+        # back the default found no handler and printed a traceback ("Signal 15 ignored due
+        # to race condition"). The agent's SIGKILL still ends one that hangs here.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().remove_signal_handler(sig)
+            signal.signal(sig, _stopping_already)
         await bus.close()
+
+
+def _stopping_already(signum: int, frame: object) -> None:
+    """A signal while the dataplane stops: it stops anyway."""
 
 
 def main(argv: list[str] | None = None) -> int:
