@@ -68,9 +68,9 @@ class Placement:
     mesh: MeshIdentity
     exclusions: Exclusions
     record: Epoch
+    record_json: bytes  # the epoch record encoded, once: written as itself and in each grant
     lease: Lease
     slots: list[int]  # each member's relay slot (Relayed only)
-    record_json: bytes = b""  # the epoch record encoded, once (it is written twice)
     held: dict[str, int] = field(default_factory=dict)  # node -> lease revision
     claimed: list[tuple[str, int]] = field(default_factory=list)  # address key, revision
     lost: bool = False
@@ -154,7 +154,7 @@ class Committer:
         relayed = plan.path is PathClass.RELAYED
         slots = self._relay_slots(job.key, len(plan.members)) if relayed else []
         record = self._epoch_record(job, plan, records, epoch, mesh, t, slots)
-        return Placement(current, plan, mesh, exclusions, record, lease, slots)
+        return Placement(current, plan, mesh, exclusions, record, encode(record), lease, slots)
 
     async def commit_all(self, placements: list[Placement]) -> None:
         """Commit prepared plans together, each in its order: the machines (and on Relayed the
@@ -220,7 +220,6 @@ class Committer:
         persisted the same epoch first wins the job."""
         batch = self.batches.batch()
         for p in placements:
-            p.record_json = encode(p.record)
             batch.create_encoded(
                 self.epochs, names.epoch_key(p.gang, p.record.epoch), p.record_json
             )
@@ -239,18 +238,18 @@ class Committer:
             record = p.record
             gang, epoch, expires = record.gang, record.epoch, record.join_keys_expire_time
             nodes = [m.node for m in record.members]
-            epoch_json = msgspec.Raw(p.record_json)
             if all(self._reads_shared_keys(node) for node in nodes):
-                token = p.mesh.mint(gang, epoch, nodes, expires)
-                tokens = dict.fromkeys(nodes, token)
-                shared = encode(JoinKeyGrantWire(token, p.mesh.verify_key, epoch_json))
+                tokens = dict.fromkeys(nodes, p.mesh.mint(gang, epoch, nodes, expires))
             else:
-                tokens, shared = p.mesh.mint_each(gang, epoch, nodes, expires), b""
-            for node in nodes:
-                grant = shared or encode(
-                    JoinKeyGrantWire(tokens[node], p.mesh.verify_key, epoch_json)
+                tokens = p.mesh.mint_each(gang, epoch, nodes, expires)
+            grants: dict[str, bytes] = {}  # token -> its grant, encoded once
+            for node, token in tokens.items():
+                if token not in grants:
+                    epoch_json = msgspec.Raw(p.record_json)
+                    grants[token] = encode(JoinKeyGrantWire(token, p.mesh.verify_key, epoch_json))
+                batch.put_encoded(
+                    self.joinkeys, names.joinkey_key(node, gang, epoch), grants[token]
                 )
-                batch.put_encoded(self.joinkeys, names.joinkey_key(node, gang, epoch), grant)
         await batch.send()
 
     def _reads_shared_keys(self, node: str) -> bool:

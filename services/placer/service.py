@@ -326,6 +326,8 @@ class Placer:
             for attempt in range(self.config.max_attempts):
                 if not todo:
                     return
+                if attempt:
+                    await asyncio.sleep(_race_backoff(attempt))
                 ready = await self._ready_to_plan(todo, attempt)
                 placements, unschedulable = self._plan_batch(ready, exclusions)
                 committed, *explained = await asyncio.gather(
@@ -348,8 +350,6 @@ class Placer:
                         self._waiting.discard(placement.gang)
                         decided(placement.gang, "placed")
                 todo = [placement.gang for placement in placements if placement.lost]
-                if todo:
-                    await asyncio.sleep(_race_backoff(attempt))
             for key in todo:
                 # Not at the next capacity change, which the rival's own release makes at once.
                 asyncio.get_running_loop().call_later(

@@ -324,6 +324,8 @@ class Bench:
         least 2 hops): the first hop seals what it forwards with ChaCha20-Poly1305 (TLS) and
         the last opens it, as the members' dataplanes do; the hops between carry it sealed,
         as relays do."""
+        if sealed and hops < 2:
+            raise ValueError(f"a sealed chain seals at one hop and opens at another, not {hops}")
         target, pids = f"TCP:{sink.host}:{sink.port}", []
         port = 0
         for hop in range(hops):
