@@ -21,6 +21,22 @@ from libs.contracts.errors import NodusError
 
 Body = Callable[[argparse.Namespace, asyncio.Event], Awaitable[None]]
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def hold_stop_signals() -> None:
+    """Stopping already: a further SIGTERM or SIGINT stays pending, blocked, and ends with the
+    process. Left to the loop, one that came as its handler was put back to the default (the
+    loop closing, or the handler removed) printed "Signal 15 ignored due to race condition";
+    a blocked one is never caught at all. SIGKILL still ends a process that hangs stopping."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def release_stop_signals() -> None:
+    """Undo `hold_stop_signals` (before an exec: the mask outlives it): one held meanwhile
+    now ends the process, as it asked."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
 
 def add_bus_flags(parser: argparse.ArgumentParser) -> None:
     """How a daemon or a client command reaches the bus."""
@@ -114,9 +130,12 @@ def run_daemon(service: str, args: argparse.Namespace, body: Body) -> int:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
-        await body(args, stop)
+        try:
+            await body(args, stop)
+        finally:
+            hold_stop_signals()
 
     try:
         uvloop.run(main())
@@ -125,6 +144,7 @@ def run_daemon(service: str, args: argparse.Namespace, body: Body) -> int:
         # machine's boot does to its daemons, for the lab's machine provider (issue 13).
         log.info("restarting: %s", restart)
         logging.shutdown()
+        release_stop_signals()
         os.execv(sys.executable, sys.orig_argv)
     except NodusError as error:
         log.error("cannot start: %s", error)

@@ -456,5 +456,10 @@ class Placer:
             plan, _ = self.planner.plan(job, self.view.free, suspects, mesh_id)
             if plan is not None:
                 again = sorted(lost & {m.node for m in plan.members})
-                log.info("%s: placed on %s again: no other machine fits", job.key, again)
+                log.info(
+                    "%s: placed on %s again: no other machine fits (%s)",
+                    job.key,
+                    ", ".join(again),
+                    "; ".join(s.message for s in shortfalls),
+                )
         return plan, shortfalls

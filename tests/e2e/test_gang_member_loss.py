@@ -365,8 +365,11 @@ async def test_e_a_machine_that_booted_again_at_once_ends_its_epoch_and_its_old_
                 "epoch 2 Running",
             )
             assert second.status.gang is not None
-            assert lost not in {m.node for m in second.status.gang.members}
             events = [(e.kind, e.epoch, e.message) for e in await client.events(second)]
+            assert lost not in {m.node for m in second.status.gang.members}, (
+                events,
+                placer_said(system, "lazarus"),
+            )
             assert any(
                 k == "MemberLost" and e == 1 and f"{lost} booted again" in m for k, e, m in events
             ), events
@@ -378,6 +381,16 @@ async def test_e_a_machine_that_booted_again_at_once_ends_its_epoch_and_its_old_
             assert final.status.epoch == 2
     finally:
         kill_marked_processes(marker)
+
+
+def placer_said(system: LocalSystem, about: str) -> list[str]:
+    """What the placers logged of a job: why it went where it went, when a test asks."""
+    return [
+        line
+        for path in sorted((system.state_dir / "logs").glob("placer-*.log"))
+        for line in path.read_text(errors="replace").splitlines()
+        if about in line
+    ]
 
 
 def process_alive(pid: int) -> bool:

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -40,7 +39,7 @@ from libs.contracts.dataplane import (
 )
 from libs.contracts.epochs import JoinKeyGrant
 from libs.contracts.errors import ErrorCode, NodusError
-from libs.runtime.service import configure_logging
+from libs.runtime.service import STOP_SIGNALS, configure_logging, hold_stop_signals
 from libs.runtime.tasks import TaskSet
 from services.agent.dataplane.control import serve
 from services.agent.dataplane.inline import InlineDataplane
@@ -156,23 +155,13 @@ async def _main(args: argparse.Namespace) -> int:
     try:
         process = DataplaneProcess(epoch_dir, bus)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, process.stop.set)
         log.info("dataplane of %s epoch %d starts (pid %d)", node.gang, node.epoch, os.getpid())
         return await process.run()
     finally:
-        # Stopping already: a SIGTERM now (the agent stops a dataplane that ended by itself)
-        # does nothing. Left to the loop's handler, one that came as the loop closed and put
-        # back the default found no handler and printed a traceback ("Signal 15 ignored due
-        # to race condition"). The agent's SIGKILL still ends one that hangs here.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().remove_signal_handler(sig)
-            signal.signal(sig, _stopping_already)
+        hold_stop_signals()  # the agent's SIGTERM to one that ended by itself: it stops anyway
         await bus.close()
-
-
-def _stopping_already(signum: int, frame: object) -> None:
-    """A signal while the dataplane stops: it stops anyway."""
 
 
 def main(argv: list[str] | None = None) -> int:
