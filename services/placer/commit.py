@@ -242,10 +242,10 @@ class Committer:
                 tokens = dict.fromkeys(nodes, p.mesh.mint(gang, epoch, nodes, expires))
             else:
                 tokens = p.mesh.mint_each(gang, epoch, nodes, expires)
+            epoch_json = msgspec.Raw(p.record_json)
             grants: dict[str, bytes] = {}  # token -> its grant, encoded once
             for node, token in tokens.items():
                 if token not in grants:
-                    epoch_json = msgspec.Raw(p.record_json)
                     grants[token] = encode(JoinKeyGrantWire(token, p.mesh.verify_key, epoch_json))
                 batch.put_encoded(
                     self.joinkeys, names.joinkey_key(node, gang, epoch), grants[token]

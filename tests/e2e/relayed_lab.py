@@ -133,12 +133,16 @@ class Lab:
         return self.members[1]
 
     def shimmed(
-        self, command: Sequence[str], timeout: float, rank: int = 0
+        self,
+        command: Sequence[str],
+        timeout: float,
+        rank: int = 0,
+        env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        """Run `command` with the rank's environment (the shim preloaded); bounded."""
+        """Run `command` with the rank's environment (the shim preloaded), plus `env`; bounded."""
         return subprocess.run(
             list(command),
-            env=program_env(self.members[rank].env),
+            env={**program_env(self.members[rank].env), **(env or {})},
             cwd=REPO,
             capture_output=True,
             text=True,

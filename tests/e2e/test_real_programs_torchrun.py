@@ -43,8 +43,11 @@ IPERF_SECONDS = 8  # each run; runs follow one another while relays are being ki
 BUSY = "the server is busy running a test. try again later"
 # iperf3's server closes its listening socket when a test ends and opens another for the next
 # (cleanup_server, then iperf_run_server's listen): a client that comes in between is refused
-# by the server's own kernel. The tunnel passes a refusal on only when the peer's dial got one.
-BETWEEN_TESTS = "Connection refused"
+# by the server's own kernel, and the tunnel passes the peer's refusal on as SOCKS reply 5. The
+# shim's debug line tells it from a refusal of its own (the local SOCKS entry down or closing
+# before it replied), which is Nodus failing and fails the run.
+REFUSED = "Connection refused"
+PEER_REFUSED = "(SOCKS reply 5)"
 WORKLOAD = REPO / "examples" / "workloads" / "gloo_allreduce.py"
 
 
@@ -73,7 +76,9 @@ class IperfRuns:
             command = ["iperf3", "-c", self.lab.server.address, "-p", str(self.port)]
             command += ["-t", str(IPERF_SECONDS), "--connect-timeout", "5000", "--json"]
             try:
-                done = self.lab.shimmed(command, timeout=IPERF_SECONDS + 45)
+                done = self.lab.shimmed(
+                    command, timeout=IPERF_SECONDS + 45, env={"NODUS_NETSHIM_DEBUG": "1"}
+                )
             except subprocess.TimeoutExpired:
                 self.runs.append({"exit": None, "error": "did not finish (killed)", "bytes": 0})
                 continue
@@ -82,7 +87,7 @@ class IperfRuns:
             except ValueError:
                 report = {"error": f"no JSON report: {done.stdout[-500:]!r} {done.stderr[-500:]!r}"}
             error = report.get("error") or ""
-            if error == BUSY or BETWEEN_TESTS in error:
+            if error == BUSY or (REFUSED in error and PEER_REFUSED in done.stderr):
                 # The server is still closing the previous test (its end came through a
                 # failover), or between that and the next: iperf3's own advice is to try
                 # again; the data path is not at issue.
