@@ -12,6 +12,7 @@ import pytest
 from libs.bus import Bus
 from libs.bus.server import NatsServer
 from libs.contracts import names
+from libs.contracts.jobs import Job, Phase
 from libs.contracts.placer import PlacerConfig
 from services.placer.config import load_config
 from services.placer.service import Placer
@@ -86,6 +87,22 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"condition {check.__name__} did not hold within {timeout}s")
+
+
+async def placed(bus: Bus, key: str, timeout: float = 10.0) -> Job:
+    """The job once it says Placed."""
+    jobs = bus.bucket(names.BUCKET_JOBS, Job)
+    found: list[Job] = []
+
+    async def is_placed() -> bool:
+        current = await jobs.get(key)
+        if current is not None and current.value.status.phase is Phase.PLACED:
+            found.append(current.value)
+            return True
+        return False
+
+    await eventually(is_placed, timeout)
+    return found[-1]
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

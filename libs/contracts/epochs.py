@@ -112,6 +112,8 @@ class AddressClaim(Record):
     gang: str
     epoch: int
     node: Name
+    # When claimed: a claim no live epoch explains is freed once older than a commit takes.
+    created_time: datetime | None = None
 
 
 class RanktableEntry(Record):

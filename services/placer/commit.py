@@ -336,7 +336,7 @@ class Committer:
         gang = current.value.key
         for member in plan.members:
             key = names.address_key(member.address)
-            claim = AddressClaim(gang=gang, epoch=epoch, node=member.node)
+            claim = AddressClaim(gang=gang, epoch=epoch, node=member.node, created_time=now())
             revision = await self.addresses.create(key, claim)
             if revision is not None:
                 placement.claimed.append((key, revision))
@@ -348,16 +348,23 @@ class Committer:
                 if revision is not None:
                     placement.claimed.append((key, revision))
                     continue
-            other = holder.value.gang if holder else "another gang"
+            if holder is not None and holder.value.gang == gang:
+                # This gang's own placement that never finished (its bus failed mid-commit):
+                # the placer's sweep frees it, and this job's next attempt gets a new epoch.
+                why = (
+                    f"address {member.address} of {member.node} is still claimed by this "
+                    f"gang's epoch {holder.value.epoch}, whose placement did not finish; it is "
+                    "freed within a minute"
+                )
+            else:
+                other = holder.value.gang if holder else "another gang"
+                why = (
+                    f"address {member.address} of {member.node} is routed by running Relayed "
+                    f"gang {other}; placing the members again"
+                )
             placement.exclusions.addresses.add(member.address)
             CONFLICTS.labels("address").inc()
-            await self.set_gang_ready(
-                current,
-                "False",
-                "IPCollision",
-                f"address {member.address} of {member.node} is routed by running Relayed gang "
-                f"{other}; placing the members again",
-            )
+            await self.set_gang_ready(current, "False", "IPCollision", why)
             raise LostRace
 
     async def _release_all(self, placements: list[Placement]) -> None:

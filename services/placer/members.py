@@ -1,7 +1,6 @@
 """A placed gang's members, watched: a member that stops heartbeating, is marked unhealthy,
 or whose machine booted again since placement ends its gang's epoch (the gang goes back to
-placement without it); and leases no live epoch explains are freed (a placer that died
-mid-commit leaves them)."""
+placement without it)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from nats.errors import Error as NatsError
 from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
-from libs.contracts.epochs import Epoch, Lease
+from libs.contracts.epochs import Epoch
 from libs.contracts.errors import NodusError
 from libs.contracts.jobs import Job, JobStatus
 from libs.jobs import lifecycle
@@ -21,15 +20,12 @@ from services.placer.cluster import ClusterView
 
 log = logging.getLogger("nodus.placer")
 
-STALE_LEASE_SECONDS = 30.0  # a commit never takes this long; older orphans are freed
-
 
 class MemberWatch:
     def __init__(self, bus: Bus, view: ClusterView) -> None:
         self.bus = bus
         self.view = view
         self.jobs = bus.bucket(names.BUCKET_JOBS, Job)
-        self.leases = bus.bucket(names.BUCKET_LEASES, Lease)
         self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
         self.active: dict[str, tuple[int, list[str]]] = {}  # placed gangs: epoch, members
         self._boots: dict[str, tuple[int, dict[str, str]]] = {}  # see _placed_boots
@@ -97,42 +93,3 @@ class MemberWatch:
             self.active.pop(key, None)
             if await advance(self.bus, key, epoch, lifecycle.MEMBERS_LOST, replace):
                 log.warning("%s: %s", key, message)
-
-    async def _holds_after_all(self, gang: str, epoch: int) -> bool:
-        """The epoch and job read one by one: a lease is freed on their own word, not on a
-        read of the whole bucket, which a server's failover can answer short (an agent left a
-        running gang on such a read, chaos seed 789536; a lease freed so would let a second
-        gang onto a machine in use)."""
-        stored = await self.epochs.get(names.epoch_key(gang, epoch))
-        job = await self.jobs.get(gang)
-        return (
-            stored is not None
-            and not stored.value.fenced
-            and job is not None
-            and job.value.status.epoch == epoch
-        )
-
-    async def release_stale_leases(self, grace_seconds: float = STALE_LEASE_SECONDS) -> int:
-        """Reconcile leases with epochs and jobs: a lease whose epoch was never persisted (a
-        placer died mid-commit), is fenced, or is not its job's current epoch frees its machine
-        once it is older than the grace period (a commit in flight is younger)."""
-        t = now()
-        epochs = await self.epochs.snapshot()
-        jobs = await self.jobs.snapshot()
-        released = 0
-        for node, lease in (await self.leases.snapshot()).items():
-            held = lease.value
-            epoch = epochs.get(names.epoch_key(held.gang, held.epoch))
-            job = jobs.get(held.gang)
-            current = job is not None and job.value.status.epoch == held.epoch
-            if epoch is not None and not epoch.value.fenced and current:
-                continue
-            age = (t - held.created_time).total_seconds() if held.created_time else grace_seconds
-            if age < grace_seconds:
-                continue
-            if await self._holds_after_all(held.gang, held.epoch):
-                continue
-            if await self.leases.delete(node, lease.revision):
-                released += 1
-                log.info("released stale lease on %s (%s epoch %d)", node, held.gang, held.epoch)
-        return released

@@ -35,7 +35,8 @@ from services.placer import admission
 from services.placer.cluster import ClusterView, follow_cordons
 from services.placer.commit import Committer, Placement
 from services.placer.jobcache import JobCache
-from services.placer.members import STALE_LEASE_SECONDS, MemberWatch
+from services.placer.members import MemberWatch
+from services.placer.orphans import STALE_SECONDS, OrphanSweep, Released
 from services.placer.planner import Exclusions, Plan, Planner, Shortfall
 
 log = logging.getLogger("nodus.placer")
@@ -50,7 +51,7 @@ PLACE_SECONDS = Histogram(
 FREE_NODES = Gauge("nodus_placer_free_nodes", "Live, healthy machines no gang holds")
 WAITING_JOBS = Gauge("nodus_placer_waiting_jobs", "Admitted jobs waiting for capacity")
 
-STALE_SWEEP_TICKS = 15  # seconds between stale-lease sweeps
+STALE_SWEEP_TICKS = 15  # seconds between sweeps of what unfinished commits left
 
 
 def _race_backoff(attempt: int) -> float:
@@ -78,6 +79,7 @@ class Placer:
         self.committer = Committer(bus, config, self.view, self.replica, self.cache)
         self.admissions = Coalescing(self.committer.batches)
         self.members = MemberWatch(bus, self.view)
+        self.orphans = OrphanSweep(bus, self.committer.teardown)
         # Jobs placed in batches, several batches at once: planning is synchronous and
         # reserves its machines in the view before the first await, so concurrent batches never
         # pick the same ones.
@@ -277,9 +279,9 @@ class Placer:
             WAITING_JOBS.set(len(self._waiting))
             if ticks % STALE_SWEEP_TICKS == 0:
                 try:
-                    await self.release_stale_leases()
+                    await self.release_orphans()
                 except Exception as error:  # the next sweep tries again
-                    log.warning("stale lease sweep failed: %s", error)
+                    log.warning("sweep of what unfinished commits left failed: %s", error)
 
     def _finished(self, job: Job) -> None:
         """A gang that ended gives its machines back: its epoch is fenced and torn down (the
@@ -292,8 +294,13 @@ class Placer:
 
         self._background.spawn(release(), name=f"release {job.key}")
 
-    async def release_stale_leases(self, grace_seconds: float = STALE_LEASE_SECONDS) -> int:
-        return await self.members.release_stale_leases(grace_seconds)
+    async def release_orphans(self, grace_seconds: float = STALE_SECONDS) -> Released:
+        """Free what commits that never finished left (see services/placer/orphans.py); the
+        jobs waiting try again (a freed address claim changes no lease the watch would see)."""
+        released = await self.orphans.release(grace_seconds)
+        if released != Released():
+            self._capacity_changed()
+        return released
 
     def _retry(self, key: str) -> None:
         self._waiting.add(key)

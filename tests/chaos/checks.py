@@ -160,6 +160,10 @@ class ChaosChecks:
         said = [f"epoch {status.epoch}"]
         said += [f"{c.type} {c.status} {c.reason}: {c.message}" for c in status.conditions]
         if status.phase is Phase.PENDING:
+            for placer in sorted(
+                c.name for c in self.system.children if c.name.startswith("placer-")
+            ):
+                said += self._daemon_lines(placer, job.key)
             return "; ".join(said)
         await self.client.bus.ensure_bucket(names.BUCKET_RANKS)
         ranks = await self.client.bus.bucket(names.BUCKET_RANKS, RankStatus).snapshot(

@@ -16,7 +16,7 @@ from libs.contracts.epochs import AddressClaim, Epoch, JoinKeyGrant, Lease, Rank
 from libs.contracts.jobs import ConditionType, Job, Phase
 from libs.mesh import verify_join_key
 from services.placer.addresses import MESH_NETWORK
-from tests.conftest import StartPlacer, eventually
+from tests.conftest import StartPlacer, eventually, placed
 from tests.factories import job, machine, node_record, register
 
 SHIM = "/opt/nodus/lib/libnodus-netshim.so"
@@ -85,21 +85,6 @@ RELAYED = job(
     accelerators={"model": "L4"},
     distributed={"members": 2, "transport": "Auto"},
 )
-
-
-async def placed(bus: Bus, key: str, timeout: float = 10.0) -> Job:
-    jobs = bus.bucket(names.BUCKET_JOBS, Job)
-    found: list[Job] = []
-
-    async def is_placed() -> bool:
-        current = await jobs.get(key)
-        if current is not None and current.value.status.phase is Phase.PLACED:
-            found.append(current.value)
-            return True
-        return False
-
-    await eventually(is_placed, timeout)
-    return found[-1]
 
 
 @pytest.fixture
