@@ -212,8 +212,11 @@ class GangWork:
         try:
             stdout, stderr = await asyncio.wait_for(process.communicate(), timeout)
         except TimeoutError:
-            process.kill()
             return PairResult(a=self.node, b=request.peer, ok=False, error="probe timed out"), False
+        finally:
+            if process.returncode is None:  # timed out, or the agent is stopping: no orphan
+                process.kill()
+                await asyncio.shield(process.wait())
         try:
             result = json.loads(stdout.decode().strip().splitlines()[-1])
         except (ValueError, IndexError):

@@ -408,7 +408,11 @@ class Committer:
                     await self.addresses.delete(address_key, claim.revision)
             lease = await self.leases.get(member.node)
             if lease and lease.value.gang == gang and lease.value.epoch == epoch:
-                await self.leases.delete(member.node, lease.revision)
+                if await self.leases.delete(member.node, lease.revision):
+                    # Free in the view at once: the gang's next epoch is planned right after
+                    # this, before the watch says so (its own machines looked taken, and a
+                    # member it lost was placed again in their stead: CI, test_e).
+                    self.view.set_lease(member.node, None, now())
         ranktable = await self.ranktables.get(gang)
         if ranktable and ranktable.value.epoch == epoch:
             await self.ranktables.delete(gang, ranktable.revision)

@@ -451,6 +451,27 @@ async def test_delete_fences_the_epoch_and_frees_machines_for_a_waiting_job(
     assert {lease.value.gang for lease in leases.values()} == {"acme.two"}
 
 
+async def test_a_torn_down_epoch_frees_its_machines_for_the_next_plan_at_once(
+    bus: Bus, start_placer: StartPlacer
+) -> None:
+    """A gang that lost a member is planned again right after its old epoch is torn down:
+    its other machines must be free by then, not when the lease watch says so (they looked
+    taken, and the lost member was placed again in their stead: CI, test_e)."""
+    await register(bus, [node_record(m) for m in FLEET[:2]])
+    placer = await start_placer()
+    await Client(bus).apply(job("one", org="acme", accelerators={"model": "H100"}))
+    first = await placed(bus, "acme.one")
+    assert first.status.gang is not None
+    nodes = {m.node for m in first.status.gang.members}
+    assert not any(node in placer.view.free for node in nodes)
+    # The lease watch would tell the view, later: stopped, so that only the teardown can.
+    watching_leases = next(t for t in placer._tasks if "_watch_leases" in repr(t.get_coro()))
+    watching_leases.cancel()
+    await asyncio.gather(watching_leases, return_exceptions=True)
+    await placer.committer.teardown("acme.one", 1)
+    assert all(node in placer.view.free for node in nodes)
+
+
 async def test_relayed_members_applied_at_once_spread_evenly_across_the_two_relays(
     bus: Bus, start_placer: StartPlacer
 ) -> None:
