@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tests.bench.placement            # 10,000 machines, 1,000 jobs
     .venv/bin/python -m tests.bench.placement --quick    # 1,000 machines, 100 jobs (smoke)
+    .venv/bin/python -m tests.bench.placement --replicas 2   # two placers share the burst
 
 What runs: a real nats-server with JetStream; the placer as its own process
 (`python -m app placer`, the daemon users run); this process as the load generator.
@@ -31,6 +32,11 @@ The JSON, by section:
   placer_internal    the placer's own Prometheus counters over the burst (mean time in _place)
   cpu_s_during_burst CPU seconds of the placer, nats-server and this process during the burst
   ratios             the placement figures over the baseline
+  replicas           how many placers ran (`--replicas`: each admits the applies the API's
+                     queue group hands it and places them, all racing for the same machines)
+                     and R14 checked after the burst: each job placed has one live epoch, the
+                     one it names, every machine of it leased to that epoch, no machine in two
+                     (a failed check makes the run fail, exit 1)
 
 `--profile-placer FILE` runs the placer under cProfile (slower; for finding where time goes).
 """
@@ -50,7 +56,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.bench.placement_harness import Options, Processes, log, measure, serve_echo
+from tests.bench.placement_harness import (
+    Options,
+    Processes,
+    log,
+    measure,
+    placer_name,
+    serve_echo,
+)
 from tests.bench.placement_report import placer_log_summary
 
 
@@ -66,6 +79,7 @@ async def run(opts: Options) -> dict[str, Any]:
             "quick": opts.quick,
             "timeout_s": opts.timeout,
             "placer_profiled": bool(opts.profile_placer),
+            "placer_replicas": opts.replicas,
         },
         "environment": {
             "python": platform.python_version(),
@@ -99,6 +113,10 @@ async def run(opts: Options) -> dict[str, Any]:
             task.cancel()
         processes.stop()  # idempotent; the run's own finally normally did it already
         result["placer_exit_code"] = processes.exit_codes.get("placer")
+        if opts.replicas > 1:
+            result["placer_exit_codes"] = [
+                processes.exit_codes.get(placer_name(i)) for i in range(opts.replicas)
+            ]
         placer_log = workdir / "placer.log"
         if "placer_log" not in result and placer_log.exists():
             result["placer_log"] = placer_log_summary(placer_log)
@@ -116,6 +134,7 @@ def completed(result: dict[str, Any]) -> bool:
         and "error" not in result
         and bool(placement)
         and placement.get("undecided") == 0
+        and result.get("replicas", {}).get("ok", True)  # R14: one placement per job
     )
 
 
@@ -150,6 +169,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         help="run the placer under cProfile, write its stats here and print the top to stderr",
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="placer processes sharing the applies, racing for machines (default 1)",
+    )
     parser.add_argument("--keep-dir", action="store_true", help="keep logs and the NATS store")
     parser.add_argument("--serve-echo", metavar="URL", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -169,6 +194,7 @@ def options_from(args: argparse.Namespace) -> Options:
         profile_placer=args.profile_placer.resolve() if args.profile_placer else None,
         keep_dir=args.keep_dir,
         quick=quick,
+        replicas=max(1, args.replicas),
     )
 
 

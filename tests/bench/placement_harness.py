@@ -29,6 +29,7 @@ from libs.client.client import Client
 from libs.contracts import names
 from libs.contracts.api import ApplyRequest
 from libs.contracts.base import encode, now
+from libs.contracts.epochs import Epoch, Lease
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.jobs import ConditionType, Job, Phase
@@ -41,7 +42,7 @@ from tests.bench.placement_report import (
     placer_log_summary,
     planner_only,
     ratios,
-    scrape,
+    scrape_all,
 )
 from tests.bench.placement_workload import build_fleet, build_jobs, fleet_summary, job_summary
 from tests.bench.sampling import process_cpu
@@ -152,12 +153,20 @@ class Options:
     profile_placer: Path | None = None
     keep_dir: bool = False
     quick: bool = False
+    replicas: int = 1  # placer processes sharing the applies (the API's queue group)
 
 
-def cpu_now(placer: Child, server: NatsServer) -> dict[str, float | None]:
-    """CPU seconds so far of the placer, nats-server and this process (the load generator)."""
+def placer_name(index: int) -> str:
+    """The first placer keeps the single-replica run's names (`placer`, `placer.log`)."""
+    return "placer" if index == 0 else f"placer-{index}"
+
+
+def cpu_now(placers: list[Child], server: NatsServer) -> dict[str, float | None]:
+    """CPU seconds so far of the placers (all replicas), nats-server and this process (the
+    load generator)."""
+    each = [process_cpu(placer.pid) for placer in placers]
     return {
-        "placer": process_cpu(placer.pid),
+        "placer": None if None in each else sum(c for c in each if c is not None),
         "nats_server": process_cpu(server.process.pid) if server.process else None,
         "loadgen": time.process_time(),
     }
@@ -191,12 +200,57 @@ async def register(bus: Bus, records: list[NodeRecord], chunk: int = 1000) -> No
         )
 
 
-async def ping_placer(bus: Bus) -> bool:
+async def placers_answering(bus: Bus, window: float = 0.3) -> int:
+    """How many placer replicas answer `$SRV.PING` (each answers once) within `window`."""
+    inbox = bus.nc.new_inbox()
+    answers: set[bytes] = set()
+
+    async def answered(msg: Any) -> None:
+        if msg.data:  # not the server's empty "no responders" status
+            answers.add(msg.data)
+
+    subscription = await bus.nc.subscribe(inbox, cb=answered)
     try:
-        await bus.nc.request(f"$SRV.PING.{PLACER_SERVICE}", b"", timeout=0.5)
-        return True
-    except Exception:  # no responders yet, or a timeout while it loads
-        return False
+        await bus.nc.publish(f"$SRV.PING.{PLACER_SERVICE}", b"", reply=inbox)
+        await asyncio.sleep(window)
+    finally:
+        await subscription.unsubscribe()
+    return len(answers)
+
+
+async def one_placement_per_job(bus: Bus, wanted: set[str]) -> dict[str, Any]:
+    """R14 after the burst: every job placed has one live epoch, the one it names, and every
+    machine of it is leased to that epoch; no machine is in two live epochs."""
+    jobs = await bus.bucket(names.BUCKET_JOBS, Job).snapshot()
+    epochs = await bus.bucket(names.BUCKET_EPOCHS, Epoch).snapshot()
+    leases = await bus.bucket(names.BUCKET_LEASES, Lease).snapshot()
+    live: dict[str, list[Epoch]] = {}
+    for stored in epochs.values():
+        if not stored.value.fenced:
+            live.setdefault(stored.value.gang, []).append(stored.value)
+    problems: list[str] = []
+    holders: dict[str, str] = {}
+    placed = 0
+    for key in sorted(wanted):
+        found = jobs.get(key)
+        if found is None or found.value.status.phase is not Phase.PLACED:
+            continue
+        placed += 1
+        epoch = found.value.status.epoch
+        mine = live.get(key, [])
+        numbers = sorted(e.epoch for e in mine)
+        if numbers != [epoch]:
+            problems.append(f"{key} is Placed at epoch {epoch}; live epochs {numbers}")
+            continue
+        for member in mine[0].members:
+            lease = leases.get(member.node)
+            if lease is None or (lease.value.gang, lease.value.epoch) != (key, epoch):
+                held = None if lease is None else (lease.value.gang, lease.value.epoch)
+                problems.append(f"{member.node} of {key} epoch {epoch} is leased to {held}")
+            other = holders.setdefault(member.node, key)
+            if other != key:
+                problems.append(f"{member.node} is in {other} and {key}")
+    return {"placed_checked": placed, "ok": not problems, "problems": problems[:20]}
 
 
 async def measure_baseline(
@@ -352,28 +406,34 @@ async def measure(
                 workdir / "echo.log",
             )
         )
-        metrics_port = free_port()
-        flags = {
-            "--nats": server.url,
-            "--config": str(config_path),
-            "--replica": "bench-placer",
-            "--metrics-port": str(metrics_port),
-            "--log-format": "json",
-        }
-        placer_args = ["-m", "app", "placer", *(x for kv in flags.items() for x in kv)]
-        if opts.profile_placer:
-            placer_args = ["-m", "cProfile", "-o", str(opts.profile_placer), *placer_args]
-        placer = Child("placer", [sys.executable, *placer_args], workdir / "placer.log")
-        children.append(placer)
+        metrics_ports = [free_port() for _ in range(opts.replicas)]
+        placers: list[Child] = []
+        for index, port in enumerate(metrics_ports):
+            name = placer_name(index)
+            flags = {
+                "--nats": server.url,
+                "--config": str(config_path),
+                "--replica": f"bench-{name}",
+                "--metrics-port": str(port),
+                "--log-format": "json",
+            }
+            placer_args = ["-m", "app", "placer", *(x for kv in flags.items() for x in kv)]
+            if opts.profile_placer and index == 0:
+                placer_args = ["-m", "cProfile", "-o", str(opts.profile_placer), *placer_args]
+            placers.append(Child(name, [sys.executable, *placer_args], workdir / f"{name}.log"))
+        children.extend(placers)
+        placer = placers[0]
         spawned = placer.started
-        log(f"placer started (pid {placer.pid}); waiting until it answers")
+        pids = ", ".join(str(p.pid) for p in placers)
+        log(f"placer started (pid {pids}); waiting until it answers")
 
         async def placer_ready() -> bool:
-            if not placer.alive():
-                raise RuntimeError(
-                    f"placer exited with {placer.process.returncode}:\n{placer.tail()}"
-                )
-            return await ping_placer(bus)
+            for each in placers:
+                if not each.alive():
+                    raise RuntimeError(
+                        f"{each.name} exited with {each.process.returncode}:\n{each.tail()}"
+                    )
+            return await placers_answering(bus) >= len(placers)
 
         await wait_until(placer_ready, opts.timeout, 0.05, "the placer did not answer $SRV.PING")
         ready_s = time.perf_counter() - spawned
@@ -433,7 +493,7 @@ async def measure(
         start["spawn_to_node_watch_caught_up_s"] = round(admitted_s, 3)
         start["spawn_to_view_loaded_s"] = round(loaded_s, 3)
         start["ready_to_view_loaded_s"] = round(loaded_s - ready_s, 3)
-        start["placer_cpu_s_to_view_loaded"] = process_cpu(placer.pid)
+        start["placer_cpu_s_to_view_loaded"] = cpu_now(placers, server)["placer"]
         log(f"placer view loaded {loaded_s:.2f}s after spawn (node watch at {admitted_s:.2f}s)")
 
         baseline = await measure_baseline(opts, bus, clients, jobs[0])
@@ -448,8 +508,8 @@ async def measure(
         done = asyncio.Event()
         watch_task = asyncio.create_task(watch_jobs(bus, burst, wanted, done))
         await asyncio.sleep(0.2)  # the watch has replayed the (near empty) bucket
-        metrics_before = await asyncio.to_thread(scrape, metrics_port)
-        cpu_before = cpu_now(placer, server)
+        metrics_before = await asyncio.to_thread(scrape_all, metrics_ports)
+        cpu_before = cpu_now(placers, server)
         log(f"applying {len(jobs)} jobs at once over {len(clients)} connections")
         burst_start = time.perf_counter()
         apply_task = asyncio.create_task(apply_all(clients, jobs, burst, opts.apply_timeout))
@@ -466,7 +526,7 @@ async def measure(
         # The record says Placed before the worker has written the ranktable and the event and
         # observed its histogram: let the placer's own counters catch up (bounded).
         async def counters_caught_up() -> bool:
-            m = await asyncio.to_thread(scrape, metrics_port)
+            m = await asyncio.to_thread(scrape_all, metrics_ports)
             decisions = sum(
                 m.get(f'nodus_placer_decisions_total{{outcome="{o}"}}', 0.0)
                 - metrics_before.get(f'nodus_placer_decisions_total{{outcome="{o}"}}', 0.0)
@@ -476,8 +536,8 @@ async def measure(
 
         with contextlib.suppress(TimeoutError):
             await wait_until(counters_caught_up, 3.0, 0.05, "placer counters lag")
-        cpu_after = cpu_now(placer, server)
-        metrics_after = await asyncio.to_thread(scrape, metrics_port)
+        cpu_after = cpu_now(placers, server)
+        metrics_after = await asyncio.to_thread(scrape_all, metrics_ports)
         result["placement"] = placement_figures(burst, jobs, burst_start, burst_end)
         result["placer_internal"] = internal_figures(metrics_before, metrics_after)
         result["cpu_s_during_burst"] = {
@@ -485,6 +545,7 @@ async def measure(
             for k, v in cpu_before.items()
         }
         result["ratios"] = ratios(result)
+        result["replicas"] = {"count": opts.replicas, **await one_placement_per_job(bus, wanted)}
         result["placer_log"] = placer_log_summary(placer.log_path)
         placement = result["placement"]
         log(

@@ -75,6 +75,14 @@ def scrape(port: int) -> dict[str, float]:
     return metrics
 
 
+def scrape_all(ports: list[int]) -> dict[str, float]:
+    """Every replica's /metrics, summed (counters and histogram sums and counts add up)."""
+    total: Counter[str] = Counter()
+    for port in ports:
+        total.update(scrape(port))
+    return dict(total)
+
+
 def placer_log_summary(path: Path) -> dict[str, Any]:
     levels: Counter[str] = Counter()
     ready: str | None = None

@@ -57,3 +57,14 @@ def test_quick_bench_decides_every_job_and_reports_its_figures() -> None:
     assert decisions["placed"] == placement_figures["placed"]
     assert decisions["unschedulable"] == placement_figures["unschedulable"]
     assert result["placer_exit_code"] == 0
+
+
+@pytest.mark.slow
+def test_two_replicas_share_the_burst_and_place_each_job_once() -> None:
+    result = run_bench("placement", ["--quick", "--replicas", "2", "--timeout", "240"], timeout=280)
+
+    assert placement.completed(result), result.get("error")
+    assert result["params"]["placer_replicas"] == 2
+    assert result["replicas"] == {"count": 2, "placed_checked": 100, "ok": True, "problems": []}
+    assert result["placer_internal"]["decisions"]["placed"] == result["placement"]["placed"]
+    assert result["placer_exit_codes"] == [0, 0]
