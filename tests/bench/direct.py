@@ -38,6 +38,7 @@ import asyncio
 import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -514,7 +515,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["ice"] = {str(n): ice(n, state) for n in args.members}
     except Exception as error:
         result["error"] = f"{type(error).__name__}: {error}"
-        result["state_dir"] = str(state)
+        result["state_dir"] = str(state)  # kept to look into
+    else:
+        shutil.rmtree(state, ignore_errors=True)  # the members' WireGuard keys among it
     result["elapsed_s"] = round(time.monotonic() - started, 1)
     if time.monotonic() - started > args.budget:
         result.setdefault("error", f"over the budget of {args.budget:g} s")
