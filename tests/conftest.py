@@ -12,7 +12,7 @@ import pytest
 from libs.bus import Bus
 from libs.bus.server import NatsServer
 from libs.contracts import names
-from libs.contracts.jobs import Job, Phase
+from libs.contracts.jobs import ConditionType, Job, Phase
 from libs.contracts.placer import PlacerConfig
 from services.placer.config import load_config
 from services.placer.service import Placer
@@ -103,6 +103,19 @@ async def placed(bus: Bus, key: str, timeout: float = 10.0) -> Job:
 
     await eventually(is_placed, timeout)
     return found[-1]
+
+
+async def until_gang_ready_says(bus: Bus, key: str, reason: str, timeout: float = 10.0) -> None:
+    """Until the job's GangReady condition gives `reason` (Unschedulable, IPCollision, ...)."""
+    jobs = bus.bucket(names.BUCKET_JOBS, Job)
+
+    async def says() -> bool:
+        current = await jobs.get(key)
+        ready = current.value.condition(ConditionType.GANG_READY) if current else None
+        return ready is not None and ready.reason == reason
+
+    says.__name__ = f"{key} GangReady {reason}"
+    await eventually(says, timeout)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from libs.bus import Bus, Versioned
+from libs.bus.kv import Bucket
 from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.epochs import AddressClaim, Epoch, Lease
@@ -31,13 +32,9 @@ class Released:
     addresses: int = 0
 
 
-def _live(
-    gang: str, epoch: int, epochs: dict[str, Versioned[Epoch]], jobs: dict[str, Versioned[Job]]
-) -> bool:
+def _live(epoch: int, stored: Versioned[Epoch] | None, job: Versioned[Job] | None) -> bool:
     """An epoch is live while it is persisted, not fenced, and its job, not finished, names
     it (a job restarted still names its old epoch until the placer fences it)."""
-    stored = epochs.get(names.epoch_key(gang, epoch))
-    job = jobs.get(gang)
     return (
         stored is not None
         and not stored.value.fenced
@@ -55,35 +52,38 @@ class OrphanSweep:
         self.addresses = bus.bucket(names.BUCKET_ADDRESSES, AddressClaim)
         self.teardown = teardown
 
-    async def _live_after_all(self, gang: str, epoch: int) -> bool:
-        """The epoch and job read one by one: anything is freed on their own word, not on a
-        read of the whole bucket, which a server's failover can answer short (an agent left a
-        running gang on such a read, chaos seed 789536; a lease freed so would let a second
-        gang onto a machine in use)."""
-        stored = await self.epochs.get(names.epoch_key(gang, epoch))
-        job = await self.jobs.get(gang)
-        found = {stored.key: stored} if stored else {}
-        return _live(gang, epoch, found, {gang: job} if job else {})
+    async def _orphaned(
+        self,
+        gang: str,
+        epoch: int,
+        created: datetime | None,
+        read: tuple[dict[str, Versioned[Epoch]], dict[str, Versioned[Job]]],
+        grace_seconds: float,
+    ) -> bool:
+        """No live epoch explains it, it is older than a commit takes, and the epoch and job
+        read one by one agree: freed on their own word, not on a read of the whole bucket,
+        which a server's failover can answer short (an agent left a running gang on such a
+        read, chaos seed 789536; a lease freed so would let a second gang onto a machine in
+        use)."""
+        epochs, jobs = read
+        key = names.epoch_key(gang, epoch)
+        if _live(epoch, epochs.get(key), jobs.get(gang)):
+            return False
+        if created is not None and (now() - created).total_seconds() < grace_seconds:
+            return False
+        return not _live(epoch, await self.epochs.get(key), await self.jobs.get(gang))
 
     async def release(self, grace_seconds: float = STALE_SECONDS) -> Released:
         """Free what no live epoch explains once it is older than the grace period (a commit
         in flight is younger): an orphaned epoch is fenced and torn down (its join keys,
         claims and leases with it), then leases and claims of no live epoch are deleted."""
         released = Released()
-        t = now()
-
-        def old(created: datetime | None) -> bool:
-            return created is None or (t - created).total_seconds() >= grace_seconds
-
-        epochs = await self.epochs.snapshot()
-        jobs = await self.jobs.snapshot()
-        for stored in epochs.values():
+        read = (await self.epochs.snapshot(), await self.jobs.snapshot())
+        for stored in read[0].values():
             record = stored.value
-            if record.fenced or _live(record.gang, record.epoch, epochs, jobs):
-                continue
-            if not old(record.created_time):
-                continue
-            if await self._live_after_all(record.gang, record.epoch):
+            if record.fenced or not await self._orphaned(
+                record.gang, record.epoch, record.created_time, read, grace_seconds
+            ):
                 continue
             await self.teardown(record.gang, record.epoch)
             released.epochs += 1
@@ -93,30 +93,26 @@ class OrphanSweep:
                 record.gang,
             )
         if released.epochs:
-            epochs = await self.epochs.snapshot()  # what the teardowns fenced
-        for node, lease in (await self.leases.snapshot()).items():
-            held = lease.value
-            if _live(held.gang, held.epoch, epochs, jobs) or not old(held.created_time):
-                continue
-            if await self._live_after_all(held.gang, held.epoch):
-                continue
-            if await self.leases.delete(node, lease.revision):
-                released.leases += 1
-                log.info("released stale lease on %s (%s epoch %d)", node, held.gang, held.epoch)
-        for key, claim in (await self.addresses.snapshot()).items():
-            held_claim = claim.value
-            if _live(held_claim.gang, held_claim.epoch, epochs, jobs):
-                continue
-            if not old(held_claim.created_time):
-                continue
-            if await self._live_after_all(held_claim.gang, held_claim.epoch):
-                continue
-            if await self.addresses.delete(key, claim.revision):
-                released.addresses += 1
-                log.info(
-                    "released stale address claim %s (%s epoch %d)",
-                    key,
-                    held_claim.gang,
-                    held_claim.epoch,
-                )
+            read = (await self.epochs.snapshot(), read[1])  # what the teardowns fenced
+        released.leases = await self._free(self.leases, read, grace_seconds)
+        released.addresses = await self._free(self.addresses, read, grace_seconds)
         return released
+
+    async def _free(
+        self,
+        bucket: Bucket[Lease] | Bucket[AddressClaim],
+        read: tuple[dict[str, Versioned[Epoch]], dict[str, Versioned[Job]]],
+        grace_seconds: float,
+    ) -> int:
+        """Delete the leases (or address claims) no live epoch explains; how many."""
+        freed = 0
+        for key, found in (await bucket.snapshot()).items():
+            held = found.value
+            if not await self._orphaned(
+                held.gang, held.epoch, held.created_time, read, grace_seconds
+            ):
+                continue
+            if await bucket.delete(key, found.revision):
+                freed += 1
+                log.info("freed %s %s (%s epoch %d)", bucket.name, key, held.gang, held.epoch)
+        return freed

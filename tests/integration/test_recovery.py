@@ -19,7 +19,7 @@ from libs.contracts.epochs import AddressClaim, Epoch, Lease
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.jobs import ConditionType, Job, JobStatus, Phase
 from services.placer.orphans import Released
-from tests.conftest import StartPlacer, eventually, placed
+from tests.conftest import StartPlacer, eventually, placed, until_gang_ready_says
 from tests.factories import job, machine, node_record, register
 
 
@@ -58,12 +58,7 @@ async def test_leases_without_a_persisted_epoch_are_released(
     await Client(bus).apply(job("blocked"))
     jobs = bus.bucket(names.BUCKET_JOBS, Job)
 
-    async def unschedulable() -> bool:
-        current = await jobs.get("acme.blocked")
-        ready = current.value.condition(ConditionType.GANG_READY) if current else None
-        return ready is not None and ready.reason == "Unschedulable"
-
-    await eventually(unschedulable)
+    await until_gang_ready_says(bus, "acme.blocked", "Unschedulable")
     # A fresh lease (a commit in progress elsewhere) is left alone; orphans are freed.
     await leases.put("m3", Lease(gang="acme.busy", epoch=1, placer="alive", created_time=now()))
     assert (await placer.release_orphans()).leases == 2
@@ -115,7 +110,15 @@ async def test_an_epoch_its_job_never_named_is_torn_down_and_the_job_placed_agai
     epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
     first = await epochs.get(names.epoch_key("acme.cut", 1))
     assert first is not None and not first.value.fenced
-    # Until the sweep, the job cannot be placed: epoch 1 is taken, its claims in the way.
+    # Until the sweep, the job cannot be placed: the orphan's leases hold both machines (and
+    # after those, its claims and its epoch number would refuse the job).
+    jobs = bus.bucket(names.BUCKET_JOBS, Job)
+    assert await placer.release_orphans() == Released()  # nothing old enough yet
+    placer.committer._mark_placed = mark_placed  # type: ignore[method-assign]
+    placer._capacity_changed()
+    await until_gang_ready_says(bus, "acme.cut", "Unschedulable")
+    current = await jobs.get("acme.cut")
+    assert current is not None and current.value.status.phase is Phase.PENDING
     released = await placer.release_orphans(grace_seconds=0)
     assert released.epochs == 1
     gang = await placed(bus, "acme.cut")

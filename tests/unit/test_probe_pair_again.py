@@ -5,6 +5,7 @@ and end is reported on the relays at once (G12), and a Relayed pair is never mea
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -72,3 +73,38 @@ async def test_a_relayed_pair_is_measured_once() -> None:
     work, runs = work_with(PathClass.RELAYED, [("derp:us", True)], iter(["direct"]))
     result = await work.probe_pair(REQUEST)
     assert result.path == "derp:us" and runs == ["derp:us"]
+
+
+async def test_a_probe_whose_agent_stops_is_killed_and_reaped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real probe process, waiting for a peer that never answers, goes with its request:
+    no probe outlives the agent that started it."""
+    started: list[asyncio.subprocess.Process] = []
+    spawned = asyncio.Event()
+    spawn = asyncio.create_subprocess_exec
+
+    async def recorded(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        process = await spawn(*args, **kwargs)
+        started.append(process)
+        spawned.set()
+        return process
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", recorded)
+    work, _ = work_with(PathClass.RELAYED, [], iter(lambda: "derp:us", None))
+    del work._probe_pair  # the real one: `python -m services.agent.probe`
+
+    async def member(gang: str, epoch: int) -> tuple[Any, Any]:
+        return SimpleNamespace(path=PathClass.RELAYED), SimpleNamespace(env={})
+
+    work._member = member  # type: ignore[method-assign]
+    closed = ProbePairRequest(
+        gang="acme.a", epoch=1, peer="b", address="127.0.0.1", port=9, readiness_seconds=60
+    )
+    task = asyncio.create_task(work._probe_pair(closed))
+    await asyncio.wait_for(spawned.wait(), 10)
+    await asyncio.sleep(0.5)  # the probe is up, retrying its peer
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert started[0].returncode is not None  # killed, and waited for (no zombie)
