@@ -39,6 +39,10 @@ EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 # two more: at its default of 5 s a watch saw nothing for 10-20 s (placers missed released
 # leases, runners missed joins). Idle heartbeats are a few bytes a second per watch.
 WATCH_HEARTBEAT_SECONDS = 1.0
+# Making a lost watch's consumer again: each try bounded, the next at once, for so long.
+RECREATE_TRY_SECONDS = 2.0
+RECREATE_PAUSE_SECONDS = 0.1
+RECREATE_SECONDS = 30.0
 
 
 class _NamedConsumers:
@@ -66,11 +70,32 @@ class _NamedConsumers:
         inner = getattr(subscription, "_sub", subscription)
         jsi = getattr(inner, "_jsi", None)
         if jsi is not None and hasattr(jsi, "recreate_consumer"):
-            recreate = jsi.recreate_consumer
+            resets = [0]
 
             async def recreate_under_new_name() -> None:
+                """nats-py's own tries once, with the context's 5-s timeout, and on a failure
+                waits for two more missed heartbeats: a watch whose server died during an
+                election saw nothing for 10 s (CI). One name per reset, so that a try whose
+                answer was lost and the next make one consumer; tried again at once until
+                made, a newer reset takes over, or RECREATE_SECONDS pass."""
+                resets[0] += 1
+                reset = resets[0]
                 jsi._ccreq.name = _consumer_name()
-                await recreate()
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + RECREATE_SECONDS
+                while reset == resets[0] and not jsi._conn.is_closed:
+                    try:
+                        info = await jsi._js._jsm.add_consumer(
+                            jsi._stream, config=jsi._ccreq, timeout=RECREATE_TRY_SECONDS
+                        )
+                    except Exception as error:
+                        if loop.time() >= deadline:
+                            await jsi._conn._error_cb(error)
+                            return
+                        await asyncio.sleep(RECREATE_PAUSE_SECONDS)
+                        continue
+                    jsi._psub._consumer = info.name
+                    return
 
             jsi.recreate_consumer = recreate_under_new_name
         return subscription
