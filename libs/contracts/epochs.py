@@ -32,8 +32,8 @@ class EpochMember(Record):
     # The machine's boot when placed: a member whose machine booted since (its agent
     # restarted) has lost its ranks and tunnels, and its epoch ends.
     boot_id: str = ""
-    # Relayed: the member homes on the relay in this place of the two it uses (0: the first
-    # by name; see GangMember.relay_slot); the other is its failover.
+    # Relayed: the member homes on the relay in this place of the gang's two (`Epoch.relays`;
+    # when empty, the first two live relays by name); the other is its failover.
     relay_slot: int = 0
 
 
@@ -51,6 +51,11 @@ class Epoch(Record):
     join_keys_expire_time: datetime
     placed_by: str
     fenced: bool = False
+    # The gang's two relays by name, the least loaded when placed (G15), so that adding
+    # relays (one per core of a relay host, or more hosts) adds capacity: Relayed members home
+    # on them, Direct pairs fall back to them (G13). Empty: the first two live relays by name
+    # (see CAPABILITY_EPOCH_RELAYS); Private: none.
+    relays: list[str] = []
 
 
 # An agent that reads a join key naming every member (`JoinClaims.nonces`) says so among its

@@ -109,8 +109,9 @@ class GangMember(Record):
     rank: int
     node: str
     address: str
-    # Relayed: which of its two relays the member homes on (0: the first by name), chosen by
-    # the placer so that members spread evenly across the relays.
+    # Relayed: which of the gang's two relays the member homes on (an index into
+    # `GangStatus.relays`; when that is empty, into the first two live relays by name), chosen
+    # by the placer so that members spread evenly across the relays.
     relay_slot: int | None = None
 
 
@@ -133,6 +134,7 @@ class GangStatus(Record):
     members: list[GangMember]
     estimate: Estimate | None = None
     probe: Probe | None = None
+    relays: list[str] = []  # the gang's two relays by name (see Epoch.relays)
 
 
 class Billing(Record):

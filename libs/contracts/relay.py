@@ -6,9 +6,18 @@ from datetime import datetime
 
 from libs.contracts.base import Name, Record
 
-# A Relayed member uses two relays of its region (G15): one home, chosen by the placer
+# A Relayed member uses two relays (G15): one home, chosen by the placer
 # (`EpochMember.relay_slot`), and the other for failover.
 RELAYS_PER_MEMBER = 2
+
+# A relay whose heartbeat is older than this is not used for a new tunnel.
+RELAY_FRESH_SECONDS = 10.0
+
+# An agent or relay that reads `Epoch.relays` (the gang's two relays, chosen by the placer
+# among every live relay) says so among its capabilities. A gang gets them only when its
+# members' agents and every live relay do (records refuse unknown fields); otherwise its
+# members use the first two live relays by name, as before.
+CAPABILITY_EPOCH_RELAYS = "epoch-relays"
 
 
 class Member(Record):

@@ -12,10 +12,17 @@ from dataclasses import dataclass, field
 from libs.contracts.epochs import CAPABILITY_JOIN_KEY_MEMBERS
 from libs.contracts.fleet import AcceleratorDevice, Accelerators, Inventory, MachineFacts
 from libs.contracts.jobs import Backend
+from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS
 from libs.discovery.gpus import DiscoveryError, GpuReport, model_of
 
 # What every agent implements; the placer refuses plans needing more (C6).
-BASE_CAPABILITIES = ["register", "heartbeat", "join-epoch", CAPABILITY_JOIN_KEY_MEMBERS]
+BASE_CAPABILITIES = [
+    "register",
+    "heartbeat",
+    "join-epoch",
+    CAPABILITY_JOIN_KEY_MEMBERS,
+    CAPABILITY_EPOCH_RELAYS,
+]
 NO_ACCELERATORS = "none"  # the model of a machine without GPUs (count 0)
 
 

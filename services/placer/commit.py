@@ -34,6 +34,7 @@ from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeRecord
 from libs.contracts.jobs import Estimate, GangMember, GangStatus, Job, JobEvent, PathClass
 from libs.contracts.placer import PlacerConfig
+from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS
 from libs.jobs import lifecycle
 from libs.jobs.store import event_message
 from libs.mesh import MeshIdentity
@@ -41,8 +42,9 @@ from libs.runtime.tasks import TaskSet
 from services.placer.cluster import ClusterView
 from services.placer.environment import device_names, rank_environments
 from services.placer.invariants import check_plan
-from services.placer.jobcache import JobCache
+from services.placer.jobcache import Home, JobCache
 from services.placer.planner import Exclusions, Plan
+from services.placer.relays import LiveRelays, RelayChoice
 
 log = logging.getLogger("nodus.placer")
 
@@ -71,6 +73,7 @@ class Placement:
     record_json: bytes  # the epoch record encoded, once: written as itself and in each grant
     lease: Lease
     slots: list[int]  # each member's relay slot (Relayed only)
+    relays: list[str]  # the gang's two relays (Relayed, when its agents read them)
     held: dict[str, int] = field(default_factory=dict)  # node -> lease revision
     claimed: list[tuple[str, int]] = field(default_factory=list)  # address key, revision
     lost: bool = False
@@ -85,10 +88,17 @@ class Committer:
     reserved in it before the first await, so its concurrent commits never pick the same)."""
 
     def __init__(
-        self, bus: Bus, config: PlacerConfig, view: ClusterView, replica: str, cache: JobCache
+        self,
+        bus: Bus,
+        config: PlacerConfig,
+        view: ClusterView,
+        replica: str,
+        cache: JobCache,
+        relays: LiveRelays | None = None,
     ) -> None:
         self.bus = bus
         self.cache = cache  # what this replica writes of a job, known before its watch says
+        self.relays = relays or LiveRelays()  # the placer's watch keeps it
         self.config = config
         self.view = view
         self.replica = replica
@@ -101,7 +111,7 @@ class Committer:
         self.events = TaskSet("placer events", log)
         self.batches = Batches(bus)  # a step's writes for every placement, sent as one
         self._events: list[tuple[str, JobEvent, str]] = []  # announced, not yet sent
-        self._relaying: dict[str, list[int]] = {}  # gang -> its members' relay slots, mid-commit
+        self._relaying: dict[str, list[Home]] = {}  # gang -> its members' relays, mid-commit
 
     async def close(self) -> None:
         await self.events.close()
@@ -151,10 +161,23 @@ class Committer:
         lease = Lease(gang=job.key, epoch=epoch, placer=self.replica, created_time=t)
         for node in plan.nodes:
             self.view.set_lease(node, lease, t)
-        relayed = plan.path is PathClass.RELAYED
-        slots = self._relay_slots(job.key, len(plan.members)) if relayed else []
-        record = self._epoch_record(job, plan, records, epoch, mesh, t, slots)
-        return Placement(current, plan, mesh, exclusions, record, encode(record), lease, slots)
+        choice = RelayChoice([], [], [])
+        if plan.path is PathClass.RELAYED:
+            choice = self._relay_choice(job.key, plan, t, homed=len(plan.members))
+        elif plan.path is PathClass.DIRECT:  # the relays a pair falls back to (G13)
+            choice = self._relay_choice(job.key, plan, t, homed=0)
+        record = self._epoch_record(job, plan, records, epoch, mesh, t, choice)
+        return Placement(
+            current,
+            plan,
+            mesh,
+            exclusions,
+            record,
+            encode(record),
+            lease,
+            choice.slots,
+            choice.relays,
+        )
 
     async def commit_all(self, placements: list[Placement]) -> None:
         """Commit prepared plans together, each in its order: the machines (and on Relayed the
@@ -265,7 +288,7 @@ class Committer:
             step = lifecycle.placed(
                 p.current.value.status,
                 record.epoch,
-                self._gang_status(p.plan, p.slots),
+                self._gang_status(p.plan, p.slots, p.relays),
                 self.replica,
                 record.created_time,
             )
@@ -302,22 +325,20 @@ class Committer:
             tables.send(), *(self.teardown(p.gang, p.record.epoch) for p in undone)
         )
 
-    def _relay_slots(self, gang: str, members: int) -> list[int]:
-        """Each member's relay slot, in rank order: the slot with the fewest Relayed members,
-        counting the gangs placed, those being committed now (their jobs do not say Placed
-        yet) and this gang's members before it; ties go to the first."""
-        counts = self.cache.relayed_members(leaving_out=gang)
-        for other, taken in self._relaying.items():
+    def _relay_choice(self, gang: str, plan: Plan, t: datetime, homed: int) -> RelayChoice:
+        """The gang's two relays, the least loaded, and the home on them of each of `homed`
+        members, counting the gangs placed, those being committed now (their jobs do not say
+        Placed yet) and this gang's members before it."""
+        load = self.cache.relayed_members(leaving_out=gang)
+        for other, homes in self._relaying.items():
             if other != gang:
-                for slot in taken:
-                    counts[slot] += 1
-        slots = []
-        for _ in range(members):
-            slot = counts.index(min(counts))
-            counts[slot] += 1
-            slots.append(slot)
-        self._relaying[gang] = slots
-        return slots
+                load.update(homes)
+        named = all(
+            CAPABILITY_EPOCH_RELAYS in self.view.records[node].capabilities for node in plan.nodes
+        )
+        choice = self.relays.choose(homed, load, named, t)
+        self._relaying[gang] = choice.homes
+        return choice
 
     async def next_epoch(self, job: Job) -> int:
         """The job's next epoch number: past any fenced one. A placement whose job record
@@ -419,7 +440,7 @@ class Committer:
 
     # -- records ------------------------------------------------------------------------------
 
-    def _gang_status(self, plan: Plan, slots: list[int]) -> GangStatus:
+    def _gang_status(self, plan: Plan, slots: list[int], relays: list[str]) -> GangStatus:
         factor = RELATIVE_TO_DIRECT[plan.path]
         return GangStatus(
             transport=plan.path,
@@ -436,6 +457,7 @@ class Committer:
                 relative_to_direct=factor,
                 warning=RELAYED_WARNING if plan.path is PathClass.RELAYED else None,
             ),
+            relays=relays,
         )
 
     def _epoch_record(
@@ -446,7 +468,7 @@ class Committer:
         epoch: int,
         mesh: MeshIdentity,
         t: datetime,
-        relay_slots: list[int],
+        relays: RelayChoice,
     ) -> Epoch:
         devices = {m.node: device_names(records[m.node]) for m in plan.members}
         envs = rank_environments(
@@ -475,7 +497,7 @@ class Committer:
                     devices=devices[m.node],
                     env=envs[m.rank],
                     boot_id=records[m.node].boot_id,
-                    relay_slot=relay_slots[i] if relay_slots else 0,
+                    relay_slot=relays.slots[i] if relays.slots else 0,
                 )
                 for i, m in enumerate(plan.members)
             ],
@@ -483,6 +505,7 @@ class Committer:
             created_time=t,
             join_keys_expire_time=MeshIdentity.expiry(t, bounds.join_key_ttl_seconds),
             placed_by=self.replica,
+            relays=relays.relays,
         )
 
     def _ranktable(self, job: Job, epoch: Epoch) -> Ranktable:

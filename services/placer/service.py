@@ -25,6 +25,7 @@ from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.jobs import FINISHED_PHASES, Job, Phase
 from libs.contracts.placer import PlacerConfig
 from libs.contracts.qualify import Qualification, qualified_pairs
+from libs.contracts.relay import RelayRecord
 from libs.jobs import lifecycle
 from libs.jobs.store import publish_recent_events
 from libs.mesh import MeshIdentity
@@ -38,6 +39,7 @@ from services.placer.jobcache import JobCache
 from services.placer.members import MemberWatch
 from services.placer.orphans import STALE_SECONDS, OrphanSweep, Released
 from services.placer.planner import Exclusions, Plan, Planner, Shortfall
+from services.placer.relays import LiveRelays
 
 log = logging.getLogger("nodus.placer")
 
@@ -76,7 +78,9 @@ class Placer:
         self.epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
         self.qualifications = bus.bucket(names.BUCKET_QUALIFICATIONS, Qualification)
         self.cache = JobCache()
-        self.committer = Committer(bus, config, self.view, self.replica, self.cache)
+        self.relays = LiveRelays()
+        self.relay_records = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
+        self.committer = Committer(bus, config, self.view, self.replica, self.cache, self.relays)
         self.admissions = Coalescing(self.committer.batches)
         self.members = MemberWatch(bus, self.view)
         self.orphans = OrphanSweep(bus, self.committer.teardown)
@@ -99,7 +103,7 @@ class Placer:
         # cordons and qualifications are read before the first apply is answered: a placer
         # that starts must not place a job on a machine under repair, nor refuse one whose
         # pairs were measured.
-        caught_up = [asyncio.Event() for _ in range(5)]
+        caught_up = [asyncio.Event() for _ in range(6)]
         self._tasks = [
             asyncio.create_task(self._watch_nodes(caught_up[0])),
             asyncio.create_task(self._watch_health(caught_up[1])),
@@ -108,6 +112,7 @@ class Placer:
                 follow_cordons(self.bus, self.view, self._capacity_changed, caught_up[3])
             ),
             asyncio.create_task(self._watch_qualifications(caught_up[4])),
+            asyncio.create_task(self._watch_relays(caught_up[5])),
         ]
         await asyncio.gather(*(event.wait() for event in caught_up))
         # The fleet's records, just loaded, live as long as the placer: kept out of the
@@ -227,6 +232,11 @@ class Placer:
             self.view.set_lease(change.key, change.value, now())
             if change.value is None:
                 self._capacity_changed()
+
+    async def _watch_relays(self, caught_up: asyncio.Event) -> None:
+        """The relays' heartbeats: a Relayed gang gets the two least loaded live ones."""
+        async for change in self.relay_records.watch(caught_up=caught_up):
+            self.relays.set(change.key, change.value)
 
     async def _watch_qualifications(self, caught_up: asyncio.Event) -> None:
         """G21: the pairs `nodus qualify` measured are qualified for their path from now on;

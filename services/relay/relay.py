@@ -18,7 +18,7 @@ from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.bounds import derive, destination_queue_bytes
 from libs.contracts.jobs import PathClass
-from libs.contracts.relay import CAPABILITY_USAGE_TOTALS, RelayRecord
+from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS, CAPABILITY_USAGE_TOTALS, RelayRecord
 from libs.relayproto import (
     Absent,
     Forward,
@@ -174,7 +174,12 @@ class Relay:
                 address=self.address,
                 public_key=_b64(self.public_key),
                 version=VERSION,
-                capabilities=["relay-v1", "mesh-v1", CAPABILITY_USAGE_TOTALS],
+                capabilities=[
+                    "relay-v1",
+                    "mesh-v1",
+                    CAPABILITY_USAGE_TOTALS,
+                    CAPABILITY_EPOCH_RELAYS,
+                ],
                 heartbeat_time=now(),
                 stun_address=self.stun_address,
             )

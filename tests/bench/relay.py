@@ -83,6 +83,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="cap-off rounds of every path")
     parser.add_argument("--gangs", type=int, default=8, help="gangs of the cap-on system")
     parser.add_argument(
+        "--relays",
+        type=int,
+        default=2,
+        help="relays of the cap-on system, meshed (each gang gets the least loaded two)",
+    )
+    parser.add_argument(
         "--kill-at", type=float, default=4.0, help="failover: seconds into the stream"
     )
     parser.add_argument(
@@ -132,6 +138,7 @@ async def run_async(args: argparse.Namespace, state: Path) -> dict[str, Any]:
             "warmup_seconds": args.warmup,
             "cap_off_rounds": args.rounds,
             "gangs": args.gangs,
+            "relays": args.relays,
             "failover_stream_seconds": args.failover_seconds,
             "kill_at_seconds": args.kill_at,
             "epochs_poll_seconds": POLL,

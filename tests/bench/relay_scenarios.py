@@ -36,7 +36,7 @@ POLL = 0.02  # seconds between `epochs` requests while waiting for a member to m
 
 async def relays_carrying(bench: Bench, gang: Gang, sink: Any) -> list[str]:
     """The relays that wrote at least half of what a short A -> B stream delivered."""
-    relays = {r: bench.pids(r) for r in ("relay-0", "relay-1")}
+    relays = {r: bench.pids(r) for r in bench.relay_names()}
     before = {r: sum(written_bytes(p) for p in pids) for r, pids in relays.items()}
     measure = await stream(
         [FlowSpec("a_to_b", sink, bench.via_socks(gang.socks[0]))], 1.5, 0.5, procs={}
@@ -156,7 +156,7 @@ async def cap_off(bench: Bench) -> dict[str, Any]:
 
 
 async def cap_on(bench: Bench) -> dict[str, Any]:
-    gangs = await bench.up("cap-on", bench.args.gangs, [])
+    gangs = await bench.up("cap-on", bench.args.gangs, [], relays=bench.args.relays)
     share = derive(PathClass.RELAYED, 2).relay_member_bits_per_second / 1e6
     first = gangs[0]
     assert first.sinks is not None

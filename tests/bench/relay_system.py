@@ -138,11 +138,16 @@ class Bench:
         self.system: LocalSystem | None = None
 
     async def up(
-        self, name: str, gangs: int, relay_args: list[str], placer_config: Path | None = None
+        self,
+        name: str,
+        gangs: int,
+        relay_args: list[str],
+        placer_config: Path | None = None,
+        relays: int = 2,
     ) -> list[Gang]:
-        """A LocalSystem with `gangs` container+VM pairs and one Relayed job per pair; returns
-        once every member's tunnel is up (its agent reports the relay it uses). `placer_config`:
-        another placer config file (the stock one by default)."""
+        """A LocalSystem with `gangs` container+VM pairs, `relays` relays and one Relayed job
+        per pair; returns once every member's tunnel is up (its agent reports the relay it
+        uses). `placer_config`: another placer config file (the stock one by default)."""
         machines: list[dict[str, Any]] = []
         plan: list[Gang] = []
         for index in range(gangs):
@@ -165,6 +170,7 @@ class Bench:
             probe_seconds=PROBE_SAMPLE,
             relay_args=relay_args,
             placer_config=placer_config,
+            relays=relays,
         )
         _systems.append(system)
         self.system = system
@@ -263,14 +269,18 @@ class Bench:
 
     def gang_procs(self, gang: Gang) -> dict[str, list[int]]:
         """The processes that carry a gang's bytes: each member's agent and the dataplane it
-        runs the tunnel in (a process of its own, below the agent), and both relays."""
+        runs the tunnel in (a process of its own, below the agent), and every relay."""
         procs: dict[str, list[int]] = {}
         for node in gang.nodes:
             agent = self.pids(f"agent-{node}")
             procs[f"agent-{node}"] = agent
             procs[f"dataplane-{node}"] = [p for p in descendants(agent) if is_dataplane(p)]
-        procs |= {r: self.pids(r) for r in ("relay-0", "relay-1")}
+        procs |= {r: self.pids(r) for r in self.relay_names()}
         return procs
+
+    def relay_names(self) -> list[str]:
+        assert self.system is not None
+        return [c.name for c in self.system.children if c.name.startswith("relay-")]
 
     # -- openers -------------------------------------------------------------------------------
 

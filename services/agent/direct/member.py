@@ -173,6 +173,8 @@ class DirectMember:
 
     async def start(self) -> None:
         relays = await live_relays(self.bus)
+        # The gang's two relays when the placer named them, else the first two live by name.
+        relays = [r for r in relays if r.name in self.epoch.relays] or relays
         self._stun = next((_split(r.stun_address) for r in relays if r.stun_address), None)
         await self.device.create(self.member.address, MESH_PREFIX)
         await self.device.configure(

@@ -13,7 +13,13 @@ from libs.contracts.base import now
 from libs.contracts.bounds import link_inflight, stream_window
 from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.errors import ErrorCode, NodusError
-from libs.contracts.relay import CAPABILITY_USAGE_TOTALS, RELAYS_PER_MEMBER, Member, RelayRecord
+from libs.contracts.relay import (
+    CAPABILITY_USAGE_TOTALS,
+    RELAY_FRESH_SECONDS,
+    RELAYS_PER_MEMBER,
+    Member,
+    RelayRecord,
+)
 from libs.runtime.tasks import cancel_and_wait
 from libs.wg import key_from_base64
 from services.agent.introductions import introduced_peer
@@ -23,27 +29,42 @@ from services.agent.relayed.wgdevice import WgDevice
 
 log = logging.getLogger("nodus.agent.member")
 
-RELAY_FRESH = timedelta(seconds=10)
+RELAY_FRESH = timedelta(seconds=RELAY_FRESH_SECONDS)
+
+
+def _fresh(record: RelayRecord) -> bool:
+    return now() - record.heartbeat_time < RELAY_FRESH
 
 
 async def live_relays(bus: Bus) -> list[RelayRecord]:
     """The relays whose heartbeats are fresh, in a stable order."""
     records = await bus.bucket(names.BUCKET_RELAYS, RelayRecord).snapshot()
-    t = now()
-    return sorted(
-        (r.value for r in records.values() if t - r.value.heartbeat_time < RELAY_FRESH),
-        key=lambda r: r.name,
-    )
+    return sorted((r.value for r in records.values() if _fresh(r.value)), key=lambda r: r.name)
 
 
-async def pick_relays(bus: Bus, wait: float = 30.0) -> list[RelayRecord]:
-    """Two live relays (fresh heartbeats), in a stable order; waits for at least one."""
-    deadline = asyncio.get_running_loop().time() + wait
+async def pick_relays(bus: Bus, named: list[str], wait: float = 30.0) -> list[RelayRecord]:
+    """The gang's relays (`named`, the placer's choice, in its order) once one of them is
+    live; without names, or when neither is live within `wait`, the first two live relays by
+    name (every relay reaches every other in one hop, so any two carry the gang)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
     while True:
-        live = await live_relays(bus)
-        if live:
+        records = await bus.bucket(names.BUCKET_RELAYS, RelayRecord).snapshot()
+        chosen = [records[name].value for name in named if name in records]
+        if any(_fresh(r) for r in chosen):
+            return chosen
+        live = sorted((r.value for r in records.values() if _fresh(r.value)), key=lambda r: r.name)
+        late = loop.time() > deadline
+        if live and (not named or late):
+            if named:
+                log.warning(
+                    "neither of the gang's relays %s is live after %.0f s: using %s",
+                    named,
+                    wait,
+                    [r.name for r in live[:RELAYS_PER_MEMBER]],
+                )
             return live[:RELAYS_PER_MEMBER]
-        if asyncio.get_running_loop().time() > deadline:
+        if late:
             raise NodusError(
                 ErrorCode.NO_RESPONDERS, "no live relay announced itself in nodus-relays"
             )
@@ -69,7 +90,7 @@ class RelayedMember:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        picked = await pick_relays(self.bus)
+        picked = await pick_relays(self.bus, self.epoch.relays)
         slot = self.member.relay_slot % len(picked)
         picked = picked[slot:] + picked[:slot]  # home first (the placer's choice), then failover
         device = WgDevice(self.wg_private)

@@ -1,0 +1,75 @@
+"""Which relays a Relayed gang gets: the two least loaded of every live relay, so that adding
+relay processes adds capacity; gangs whose agents or relays predate named relays keep using
+the first two live relays by name, and count against them."""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import timedelta
+
+from libs.contracts.base import now
+from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS, RelayRecord
+from services.placer.jobcache import Home
+from services.placer.relays import LiveRelays
+
+
+def relays(*names: str, stale: tuple[str, ...] = (), old: tuple[str, ...] = ()) -> LiveRelays:
+    live = LiveRelays()
+    t = now()
+    for name in names:
+        live.set(
+            name,
+            RelayRecord(
+                name=name,
+                region="eu",
+                address="127.0.0.1:4430",
+                public_key="",
+                version="test",
+                capabilities=["relay-v1"] + ([] if name in old else [CAPABILITY_EPOCH_RELAYS]),
+                heartbeat_time=t - timedelta(seconds=60 if name in stale else 1),
+            ),
+        )
+    return live
+
+
+def test_gangs_spread_over_every_live_relay() -> None:
+    live = relays("relay-0", "relay-1", "relay-2", "relay-3")
+    load: Counter[Home] = Counter()
+    pairs = []
+    for _ in range(8):  # 8 gangs of 2, placed one after the other
+        choice = live.choose(2, load, named=True, t=now())
+        assert sorted(choice.slots) == [0, 1]  # one member on each of the gang's two
+        load.update(choice.homes)
+        pairs.append(choice.relays)
+    assert load == {"relay-0": 4, "relay-1": 4, "relay-2": 4, "relay-3": 4}
+    assert pairs[:2] == [["relay-0", "relay-1"], ["relay-2", "relay-3"]]
+
+
+def test_a_gang_gets_the_least_loaded_pair_and_its_members_split_evenly() -> None:
+    live = relays("relay-a", "relay-b", "relay-c")
+    choice = live.choose(5, Counter({"relay-a": 6, "relay-b": 1}), named=True, t=now())
+    assert choice.relays == ["relay-b", "relay-c"]
+    assert Counter(choice.homes) == {"relay-c": 3, "relay-b": 2}
+
+
+def test_a_relay_whose_heartbeat_stopped_is_not_given() -> None:
+    live = relays("relay-0", "relay-1", "relay-2", stale=("relay-0",))
+    choice = live.choose(2, Counter(), named=True, t=now())
+    assert choice.relays == ["relay-1", "relay-2"]
+
+
+def test_without_named_relays_members_use_the_first_two_counted_with_every_gang() -> None:
+    # An agent that does not read named relays: slots into the first two live by name. Gangs
+    # with named relays on those two count against them, and the other way round.
+    live = relays("relay-0", "relay-1", "relay-2")
+    choice = live.choose(3, Counter({"relay-0": 2}), named=False, t=now())
+    assert choice.relays == [] and choice.slots == [1, 1, 0]
+    assert choice.homes == [1, 1, 0]
+    named = live.choose(2, Counter({0: 1, 1: 4}), named=True, t=now())
+    assert named.relays == ["relay-0", "relay-2"]
+
+
+def test_one_live_relay_that_reads_no_names_keeps_every_gang_on_the_first_two() -> None:
+    live = relays("relay-0", "relay-1", "relay-2", old=("relay-1",))
+    assert live.choose(2, Counter(), named=True, t=now()).relays == []
+    assert relays("relay-0").choose(2, Counter(), named=True, t=now()).relays == []
