@@ -33,7 +33,8 @@ runner's own probe (a short throughput sample through the same tunnels, reported
                            its share (`over_share`)
               gangs        every gang streams both ways at once: aggregate goodput, per-gang
                            goodput, Jain's fairness index and min/max over the gangs, which
-                           relays each gang's members are homed on
+                           relays each gang's members are homed on and each relay's CPU
+                           (`--relays N`: N relays instead of 2; each gang gets two of them)
               failover     gang 0 streams both ways; the relay member A is homed on is SIGKILLed
                            mid-stream: the longest interval with no byte delivered at each
                            receiver around the kill (and the longest before it, for scale), and
