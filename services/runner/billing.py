@@ -138,17 +138,21 @@ class LateUsage:
             status = msgspec.structs.replace(current.status, billing=billing)
             return msgspec.structs.replace(current, status=status)
 
-        if await self.jobs.mutate(gang, amend) is None:
-            return False
         message = (
             f"{metered - billed:+d} relay bytes metered after the bill was made (a relay "
             f"restarted, or its flush waited out the bus): meshRelayGiB is now {gib:.6f}"
         )
-        log.info("%s: %s", gang, message)
         event = JobEvent(
             gang=gang, kind="BillingAmended", epoch=status.epoch, message=message, time=now()
         )
+        # The event is stored before the bill changes: a runner killed in between amends the
+        # bill on its next sweep and publishes the same event again (one Nats-Msg-Id, stored
+        # once). The other way round, a runner killed after the amend lost the event for good:
+        # its next sweep found the bill already right (chaos seed 1).
         await self.bus.publish(
             names.job_event(gang, "billingamended"), event, dedup_id=f"{gang}:billing:{metered}"
         )
+        if await self.jobs.mutate(gang, amend) is None:
+            return False
+        log.info("%s: %s", gang, message)
         return True

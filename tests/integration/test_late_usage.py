@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import msgspec
+import pytest
 
 from libs.bus import Bus
 from libs.contracts import names
@@ -115,3 +116,37 @@ async def test_a_direct_jobs_fallback_through_the_relays_stays_unbilled(bus: Bus
     await _usage(bus, "acme.direct", "relay-0", 900)
     assert await late.sweep() == []
     assert await _billed(bus, "acme.direct") == 0
+
+
+@pytest.mark.parametrize("killed_in", ["publish", "amend"])
+async def test_a_runner_killed_while_amending_leaves_the_bill_and_its_event_to_the_next(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch, killed_in: str
+) -> None:
+    """A runner killed between the amended bill and its `BillingAmended` event lost the event
+    for good: the next sweep found the bill right and said nothing (chaos seed 1). Now the
+    event is stored first, and the runner started again amends the bill and stores the event
+    once."""
+    await _job(bus, "cut", Phase.SUCCEEDED, 1000, PathClass.RELAYED)
+    await _usage(bus, "acme.cut", "relay-0", 1000)
+    late = LateUsage(bus)
+    assert await late.sweep() == []
+    await _usage(bus, "acme.cut", "relay-1", 250)
+
+    class Killed(Exception):
+        pass
+
+    async def killed(*args: object, **kwargs: object) -> None:
+        raise Killed
+
+    if killed_in == "publish":  # the event never stored
+        monkeypatch.setattr(bus, "publish", killed)
+    else:  # the event stored, the bill not amended
+        monkeypatch.setattr(late.jobs, "mutate", killed)
+    with pytest.raises(Killed):
+        await late.sweep()
+    monkeypatch.undo()
+    again = LateUsage(bus)  # the runner, started again
+    assert await again.sweep() == ["acme.cut"]
+    assert await _billed(bus, "acme.cut") == 1250
+    stream = await bus.replay(names.EVENTS_STREAM, "nodus.evt.job.acme.cut.billingamended")
+    assert len(stream) == 1 and b"+250 relay bytes" in stream[0].data
