@@ -73,7 +73,7 @@ class Placement:
     record_json: bytes  # the epoch record encoded, once: written as itself and in each grant
     lease: Lease
     slots: list[int]  # each member's relay slot (Relayed only)
-    relays: list[str]  # the gang's two relays (Relayed, when its agents read them)
+    relays: list[str]  # the gang's two relays, when its agents and relays read them
     held: dict[str, int] = field(default_factory=dict)  # node -> lease revision
     claimed: list[tuple[str, int]] = field(default_factory=list)  # address key, revision
     lost: bool = False
