@@ -2,9 +2,11 @@
 
 A gang gets the two least loaded of every live relay (members homed, counted over the active
 gangs), so adding relays adds capacity: one relay process per core of a relay host, or more
-hosts. Its members spread evenly over the two; each fails over to the other. A gang whose
-agents, or a live relay, predate named relays gets none (`RelayChoice.relays` empty): its
-members use the first two live relays by name, as before, and the counts still see them."""
+hosts. Its members spread evenly over the two; each fails over to the other. While only one
+relay is live, a gang gets it and the relay heard from last, its members all homed on the live
+one, so that it has a failover once the other is back. A gang whose agents, or a live relay,
+predate named relays gets none (`RelayChoice.relays` empty): its members use the first two
+live relays by name, as before, and the counts still see them."""
 
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS, RELAY_FRESH_SECONDS, R
 from services.placer.jobcache import Home
 
 PAIR = 2  # relays per gang (G15)
+# A relay silent for less than this may be the failover of a gang placed while it is down
+# (a restart, a maintenance): it is likely to come back.
+SILENT_PARTNER = timedelta(minutes=10)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +64,18 @@ class LiveRelays:
 
         named = (
             named
-            and len(live) >= PAIR
+            and len(live) >= 1
             and all(CAPABILITY_EPOCH_RELAYS in r.capabilities for r in live)
         )
-        if named:
+        silent = self._last_heard_other(live, t) if named and len(live) == 1 else None
+        if named and silent is not None:
+            # One relay is live, the other down (restarting, or in maintenance): the gang
+            # still gets two, every member homed on the live one. Its tunnels keep dialling
+            # the other and fail over to it once it is back; a gang given only the live relay
+            # had no failover for its whole life (G15).
+            pair = sorted([by_name[0], silent])
+            counts = [0 if n == by_name[0] else members + 1 for n in pair]
+        elif named and len(live) >= PAIR:
             pair = sorted(sorted(by_name, key=lambda n: (load_of(n), n))[:PAIR])
             counts = [load_of(n) for n in pair]
         else:
@@ -75,3 +88,16 @@ class LiveRelays:
             slots.append(slot)
         homes: list[Home] = [pair[s] for s in slots] if pair else list(slots)
         return RelayChoice(pair, slots, homes)
+
+    def _last_heard_other(self, live: list[RelayRecord], t: datetime) -> str | None:
+        """The relay not live whose last heartbeat is the newest, if it was heard within
+        SILENT_PARTNER (a relay retired long ago is not dialled for nothing) and
+        reads named relays; else None."""
+        others = [
+            r
+            for r in self.records.values()
+            if r not in live
+            and t - r.heartbeat_time < SILENT_PARTNER
+            and CAPABILITY_EPOCH_RELAYS in r.capabilities
+        ]
+        return max(others, key=lambda r: r.heartbeat_time).name if others else None

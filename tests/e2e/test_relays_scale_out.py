@@ -1,16 +1,24 @@
-"""Relays scale out: with four relays (one per core of two relay hosts, say), two Relayed
-gangs get two relays each, the least loaded, and carry their probes through them; every relay
-holds the sessions of one gang's members, instead of the first two relays holding all of
-them and the others idle. Real processes: nats-server, placer, runner, four meshed relays, an
-agent per machine with its dataplane."""
+"""Which relays a Relayed gang gets, on real processes (nats-server, placer, runner, meshed
+relays, an agent per machine with its dataplane):
+
+- with four relays (one per core of two relay hosts, say), two gangs get two relays each, the
+  least loaded, and carry their probes through them; every relay holds the sessions of one
+  gang's members, instead of the first two relays holding all of them and the others idle;
+- a gang placed while one of two relays is down still gets both: its members home on the
+  live one, connect to the other once it is back, and fail over to it (before, such a gang
+  had one relay, and no failover, for its whole life)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
+from libs.contracts.relay import RELAY_FRESH_SECONDS
 from tests.e2e import relayed_lab
 from tests.e2e.relayed_lab import new_system, start_lab
 
@@ -37,5 +45,32 @@ def test_two_gangs_on_four_relays_use_two_each(tmp_path: Path) -> None:
         # Every relay carries one gang: its two members (each keeps its failover's session).
         sessions = {r: first.metric(r, "nodus_relay_sessions") for r in first.relays()}
         assert sessions == {f"relay-{i}": 2 for i in range(4)}, sessions
+    finally:
+        system.stop()
+
+
+def test_a_gang_placed_while_a_relay_is_down_fails_over_to_it_once_it_is_back(
+    tmp_path: Path,
+) -> None:
+    system = new_system(tmp_path, relayed_lab.fleet("sq", 65))
+    try:
+        asyncio.run(system.start(timeout=90))
+        os.kill(system.child("relay-0").process.pid, signal.SIGKILL)
+        time.sleep(RELAY_FRESH_SECONDS + 1.0)  # its last heartbeat ages out: it is not live
+        lab = asyncio.run(start_lab(system, "sq", ["sleep", "3600"], started=True))
+        gang = lab.get_job().status.gang
+        assert gang is not None and gang.relays == ["relay-0", "relay-1"], gang
+        assert {lab.home_relay(m.node) for m in lab.members} == {"relay-1"}
+        # Back: both members connect to it (restart_relay waits for their sessions).
+        lab.restart_relay("relay-0")
+        lab.kill_relay("relay-1")
+        deadline = time.monotonic() + 15.0
+        homes: dict[str, str | None] = {}
+        while time.monotonic() < deadline:
+            homes = {m.node: lab.home_relay(m.node) for m in lab.members}
+            if set(homes.values()) == {"relay-0"}:
+                break
+            time.sleep(0.2)
+        assert set(homes.values()) == {"relay-0"}, homes
     finally:
         system.stop()

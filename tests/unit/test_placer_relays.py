@@ -13,7 +13,12 @@ from services.placer.jobcache import Home
 from services.placer.relays import LiveRelays
 
 
-def relays(*names: str, stale: tuple[str, ...] = (), old: tuple[str, ...] = ()) -> LiveRelays:
+def relays(
+    *names: str,
+    stale: tuple[str, ...] = (),
+    old: tuple[str, ...] = (),
+    silent_for: float = 60.0,
+) -> LiveRelays:
     live = LiveRelays()
     t = now()
     for name in names:
@@ -26,7 +31,7 @@ def relays(*names: str, stale: tuple[str, ...] = (), old: tuple[str, ...] = ()) 
                 public_key="",
                 version="test",
                 capabilities=["relay-v1"] + ([] if name in old else [CAPABILITY_EPOCH_RELAYS]),
-                heartbeat_time=t - timedelta(seconds=60 if name in stale else 1),
+                heartbeat_time=t - timedelta(seconds=silent_for if name in stale else 1),
             ),
         )
     return live
@@ -73,3 +78,15 @@ def test_one_live_relay_that_reads_no_names_keeps_every_gang_on_the_first_two() 
     live = relays("relay-0", "relay-1", "relay-2", old=("relay-1",))
     assert live.choose(2, Counter(), named=True, t=now()).relays == []
     assert relays("relay-0").choose(2, Counter(), named=True, t=now()).relays == []
+
+
+def test_while_one_relay_is_down_a_gang_gets_it_as_failover_homed_on_the_live_one() -> None:
+    # relay-0 restarting (silent for a minute): a gang placed now still gets two relays, and
+    # its tunnels fail over to relay-0 once it is back.
+    live = relays("relay-0", "relay-1", stale=("relay-0",))
+    choice = live.choose(3, Counter(), named=True, t=now())
+    assert choice.relays == ["relay-0", "relay-1"]
+    assert choice.homes == ["relay-1"] * 3 and choice.slots == [1, 1, 1]
+    # One silent for longer than a restart takes (retired) is not dialled for nothing.
+    gone = relays("relay-0", "relay-1", stale=("relay-0",), silent_for=3600.0)
+    assert gone.choose(2, Counter(), named=True, t=now()).relays == []
