@@ -68,6 +68,15 @@ def fleet(prefix: str, first: int, members: int = 2) -> dict[str, Any]:
     return {"machines": machines}
 
 
+def containers(prefix: str, first: int, count: int) -> dict[str, Any]:
+    """`count` container machines (no network device) `<prefix>-0`..: any gang of them is
+    Relayed from its first epoch."""
+    doc = fleet(prefix, first, members=count)
+    for index, machine in enumerate(doc["machines"]):
+        machine.update(name=f"{prefix}-{index}", provider="vast", offering="container")
+    return doc
+
+
 def program_env(rank_env: dict[str, str] | None = None) -> dict[str, str]:
     """This environment without proxies (curl would use them) or a preload, plus `rank_env`."""
     return {**clean_env(), **(rank_env or {})}

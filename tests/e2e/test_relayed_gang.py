@@ -19,7 +19,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -34,6 +33,7 @@ from tests.e2e.joblogs import json_lines, rank_log
 from tests.e2e.nodus_cli import nodus
 from tests.e2e.relayed_lab import (
     Lab,
+    containers,
     new_system,
     start_lab,
 )
@@ -43,14 +43,6 @@ pytestmark = pytest.mark.slow
 
 GLOO = REPO / "examples" / "workloads" / "gloo_allreduce.py"
 ALLREDUCE = ["python3", str(REPO / "examples" / "workloads" / "allreduce.py")]
-
-
-def containers(prefix: str, first: int, count: int) -> dict[str, Any]:
-    """`count` container machines (no network device): any gang of them is Relayed."""
-    doc = relayed_lab.fleet(prefix, first, members=count)
-    for index, machine in enumerate(doc["machines"]):
-        machine.update(name=f"{prefix}-{index}", provider="vast", offering="container")
-    return doc
 
 
 def placer_config(path: Path, relayed_max_members: int) -> Path:

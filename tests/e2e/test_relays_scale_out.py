@@ -19,20 +19,19 @@ from pathlib import Path
 import pytest
 
 from libs.contracts.relay import RELAY_FRESH_SECONDS
-from tests.e2e import relayed_lab
-from tests.e2e.relayed_lab import new_system, start_lab
+from tests.e2e.relayed_lab import containers, new_system, start_lab
 
 pytestmark = pytest.mark.slow
 
 
 def test_two_gangs_on_four_relays_use_two_each(tmp_path: Path) -> None:
-    fleet = relayed_lab.fleet("so", 61)
-    fleet["machines"] += relayed_lab.fleet("sp", 63)["machines"]
-    system = new_system(tmp_path, fleet)
+    system = new_system(tmp_path, containers("so", 61, 4))
     system.relays = 4
     try:
         first = asyncio.run(start_lab(system, "so", ["sleep", "3600"]))
         second = asyncio.run(start_lab(system, "sp", ["sleep", "3600"], started=True))
+        for lab in (first, second):  # Relayed from the first epoch: no Direct to fall from
+            assert lab.get_job().status.epoch == 1
         relays_of = {}
         for lab in (first, second):
             gang = lab.get_job().status.gang
@@ -52,7 +51,7 @@ def test_two_gangs_on_four_relays_use_two_each(tmp_path: Path) -> None:
 def test_a_gang_placed_while_a_relay_is_down_fails_over_to_it_once_it_is_back(
     tmp_path: Path,
 ) -> None:
-    system = new_system(tmp_path, relayed_lab.fleet("sq", 65))
+    system = new_system(tmp_path, containers("sq", 65, 2))
     try:
         asyncio.run(system.start(timeout=90))
         os.kill(system.child("relay-0").process.pid, signal.SIGKILL)

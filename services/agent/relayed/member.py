@@ -115,11 +115,12 @@ class RelayedMember:
         self.socks = SocksFront(self.tunnel, self.socks_listen)
         await self.socks.start()
         log.info(
-            "%s joined %s epoch %d on the relayed path via %s; SOCKS5 on %s:%d",
+            "%s joined %s epoch %d on the relayed path via %s (relays %s); SOCKS5 on %s:%d",
             self.member.node,
             self.epoch.gang,
             self.epoch.epoch,
             self.tunnel.path,
+            ", ".join(r.name for r in picked),
             *self.socks_listen,
         )
 
