@@ -14,10 +14,15 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS, RELAY_FRESH_SECONDS, RelayRecord
+from libs.contracts.relay import (
+    CAPABILITY_EPOCH_RELAYS,
+    RELAY_FRESH_SECONDS,
+    RELAYS_PER_MEMBER,
+    RelayRecord,
+)
 from services.placer.jobcache import Home
 
-PAIR = 2  # relays per gang (G15)
+PAIR = RELAYS_PER_MEMBER  # relays per gang (G15): a member's home and its failover
 # A relay silent for less than this may be the failover of a gang placed while it is down
 # (a restart, a maintenance): it is likely to come back.
 SILENT_PARTNER = timedelta(minutes=10)
@@ -93,10 +98,11 @@ class LiveRelays:
         """The relay not live whose last heartbeat is the newest, if it was heard within
         SILENT_PARTNER (a relay retired long ago is not dialled for nothing) and
         reads named relays; else None."""
+        live_names = {r.name for r in live}
         others = [
             r
             for r in self.records.values()
-            if r not in live
+            if r.name not in live_names
             and t - r.heartbeat_time < SILENT_PARTNER
             and CAPABILITY_EPOCH_RELAYS in r.capabilities
         ]

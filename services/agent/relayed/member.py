@@ -7,7 +7,7 @@ import asyncio
 import logging
 from datetime import timedelta
 
-from libs.bus import Bus
+from libs.bus import Bus, Versioned
 from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.bounds import link_inflight, stream_window
@@ -36,10 +36,13 @@ def _fresh(record: RelayRecord) -> bool:
     return now() - record.heartbeat_time < RELAY_FRESH
 
 
+def _live(records: dict[str, Versioned[RelayRecord]]) -> list[RelayRecord]:
+    return sorted((r.value for r in records.values() if _fresh(r.value)), key=lambda r: r.name)
+
+
 async def live_relays(bus: Bus) -> list[RelayRecord]:
     """The relays whose heartbeats are fresh, in a stable order."""
-    records = await bus.bucket(names.BUCKET_RELAYS, RelayRecord).snapshot()
-    return sorted((r.value for r in records.values() if _fresh(r.value)), key=lambda r: r.name)
+    return _live(await bus.bucket(names.BUCKET_RELAYS, RelayRecord).snapshot())
 
 
 async def pick_relays(bus: Bus, named: list[str], wait: float = 30.0) -> list[RelayRecord]:
@@ -53,7 +56,7 @@ async def pick_relays(bus: Bus, named: list[str], wait: float = 30.0) -> list[Re
         chosen = [records[name].value for name in named if name in records]
         if any(_fresh(r) for r in chosen):
             return chosen
-        live = sorted((r.value for r in records.values() if _fresh(r.value)), key=lambda r: r.name)
+        live = _live(records)
         late = loop.time() > deadline
         if live and (not named or late):
             if named:
