@@ -51,7 +51,7 @@ class Epoch(Record):
     join_keys_expire_time: datetime
     placed_by: str
     fenced: bool = False
-    # The gang's two relays by name, the least loaded when placed (G15), so that adding
+    # The gang's two relays by name, the nearest and least loaded when placed (G15), so adding
     # relays (one per core of a relay host, or more hosts) adds capacity: Relayed members home
     # on them, Direct pairs fall back to them (G13). Empty: the first two live relays by name
     # (see CAPABILITY_EPOCH_RELAYS); Private: none.

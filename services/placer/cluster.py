@@ -30,6 +30,9 @@ class ClusterView:
         self.free = Candidates()
         self.registered = Candidates()
         self.inventory_version = 0  # bumps when the set of machines changes
+        # Each provider region's class, as its machines say: a relay given a region (not a
+        # class) serves that region's class too (services/placer/relays.py).
+        self.region_classes: dict[str, str] = {}
         self._timeout = timedelta(seconds=heartbeat_timeout)
         self._newest_beat: datetime | None = None  # the newest heartbeat this view has heard
         # Where the clock stood when heartbeats were heard again after a silence, and when.
@@ -47,6 +50,7 @@ class ClusterView:
         else:
             self.records[node] = record
             self.registered.add(record)
+            self.region_classes[record.inventory.region] = record.inventory.region_class
         self.inventory_version += 1
         self.refresh(node, now)
 

@@ -44,7 +44,7 @@ from services.placer.environment import device_names, rank_environments
 from services.placer.invariants import check_plan
 from services.placer.jobcache import Home, JobCache
 from services.placer.planner import Exclusions, Plan
-from services.placer.relays import LiveRelays, RelayChoice
+from services.placer.relays import LiveRelays, RelayChoice, Whereabouts
 
 log = logging.getLogger("nodus.placer")
 
@@ -163,9 +163,9 @@ class Committer:
             self.view.set_lease(node, lease, t)
         choice = RelayChoice([], [], [])
         if plan.path is PathClass.RELAYED:
-            choice = self._relay_choice(job.key, plan, t, homed=len(plan.members))
+            choice = self._relay_choice(job.key, plan, t, home=True)
         elif plan.path is PathClass.DIRECT:  # the relays a pair falls back to (G13)
-            choice = self._relay_choice(job.key, plan, t, homed=0)
+            choice = self._relay_choice(job.key, plan, t, home=False)
         record = self._epoch_record(job, plan, records, epoch, mesh, t, choice)
         return Placement(
             current,
@@ -325,10 +325,10 @@ class Committer:
             tables.send(), *(self.teardown(p.gang, p.record.epoch) for p in undone)
         )
 
-    def _relay_choice(self, gang: str, plan: Plan, t: datetime, homed: int) -> RelayChoice:
-        """The gang's two relays, the least loaded, and the home on them of each of `homed`
-        members, counting the gangs placed, those being committed now (their jobs do not say
-        Placed yet) and this gang's members before it."""
+    def _relay_choice(self, gang: str, plan: Plan, t: datetime, home: bool) -> RelayChoice:
+        """The gang's two relays, the nearest its members and least loaded, and, if `home`,
+        each member's home on them, counting the gangs placed, those being committed now
+        (their jobs do not say Placed yet) and this gang's members before it."""
         load = self.cache.relayed_members(leaving_out=gang)
         for other, homes in self._relaying.items():
             if other != gang:
@@ -336,7 +336,9 @@ class Committer:
         named = all(
             CAPABILITY_EPOCH_RELAYS in self.view.records[node].capabilities for node in plan.nodes
         )
-        choice = self.relays.choose(homed, load, named, t)
+        inventories = [self.view.records[node].inventory for node in plan.nodes]
+        whereabouts = [Whereabouts(i.region, i.region_class) for i in inventories]
+        choice = self.relays.choose(whereabouts, load, named, t, home, self.view.region_classes)
         self._relaying[gang] = choice.homes
         return choice
 

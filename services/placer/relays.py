@@ -1,8 +1,12 @@
 """Which two relays a Relayed gang uses (G15), and on which of them each member homes (sans-I/O).
 
-A gang gets the two least loaded of every live relay (members homed, counted over the active
-gangs), so adding relays adds capacity: one relay process per core of a relay host, or more
-hosts. Its members spread evenly over the two; each fails over to the other. While only one
+A gang gets relays of its members' region: a relay whose `--region` is a member's region
+(`us-east-1`) is nearest, one of the member's region class next (its region is the class, `us`,
+or a region whose machines are of that class), any other last. Among those equally near, the least loaded of every live relay (members homed, counted
+over the active gangs), so adding relays adds capacity: one relay process per core of a relay
+host, or more hosts, or more regions. A gang spanning regions gets the relay nearest most of
+its members and the one that brings the rest nearest, each member homed on the nearer of the
+two. Members equally near both spread evenly over them; each fails over to the other. While only one
 relay is live, a gang gets it and the relay heard from last, its members all homed on the live
 one, so that it has a failover once the other is back. A gang whose agents, or a live relay,
 predate named relays gets none (`RelayChoice.relays` empty): its members use the first two
@@ -11,8 +15,10 @@ live relays by name, as before, and the counts still see them."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from libs.contracts.relay import (
     CAPABILITY_EPOCH_RELAYS,
@@ -26,6 +32,22 @@ PAIR = RELAYS_PER_MEMBER  # relays per gang (G15): a member's home and its failo
 # A relay silent for less than this may be the failover of a gang placed while it is down
 # (a restart, a maintenance): it is likely to come back.
 SILENT_PARTNER = timedelta(minutes=10)
+
+
+class Whereabouts(NamedTuple):
+    """Where a member's machine is (its inventory): the provider region and region class."""
+
+    region: str
+    region_class: str
+
+
+def nearness(relay_region: str, member: Whereabouts, classes: Mapping[str, str]) -> int:
+    """2: the relay is in the member's region; 1: in its region class (`classes`: each
+    region's class, as the fleet's machines say); 0: elsewhere."""
+    if relay_region == member.region:
+        return 2
+    in_class = member.region_class in (relay_region, classes.get(relay_region))
+    return 1 if in_class else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,17 +77,31 @@ class LiveRelays:
             key=lambda r: r.name,
         )
 
-    def choose(self, members: int, load: Counter[Home], named: bool, t: datetime) -> RelayChoice:
-        """The gang's relays and its members' homes, given the members already homed on each
-        relay (`load`: by name, or by slot for gangs without named relays). `named`: the
-        gang's agents read named relays; every live relay must, too."""
+    def choose(
+        self,
+        members: Sequence[Whereabouts],
+        load: Counter[Home],
+        named: bool,
+        t: datetime,
+        home: bool = True,
+        classes: Mapping[str, str] | None = None,
+    ) -> RelayChoice:
+        """The gang's relays and, if `home`, its members' homes (in rank order), given the
+        members already homed on each relay (`load`: by name, or by slot for gangs without
+        named relays). `named`: the gang's agents read named relays; every live relay must,
+        too. A Direct gang's pair (`home` False) is only its fallback and homes no one.
+        `classes`: each provider region's class, as the fleet's machines say."""
         live = self.live(t)
         by_name = [r.name for r in live]
+        region_of = {r.name: r.region for r in live}
         first_two = by_name[:PAIR]
 
         def load_of(name: str) -> int:
             legacy = first_two.index(name) if name in first_two else None
             return load[name] + (load[legacy] if legacy is not None else 0)
+
+        def near(name: str, member: Whereabouts) -> int:
+            return nearness(region_of[name], member, classes or {})
 
         named = (
             named
@@ -73,22 +109,43 @@ class LiveRelays:
             and all(CAPABILITY_EPOCH_RELAYS in r.capabilities for r in live)
         )
         silent = self._last_heard_other(live, t) if named and len(live) == 1 else None
+        homed = list(members) if home else []
         if named and silent is not None:
             # One relay is live, the other down (restarting, or in maintenance): the gang
             # still gets two, every member homed on the live one. Its tunnels keep dialling
             # the other and fail over to it once it is back; a gang given only the live relay
             # had no failover for its whole life (G15).
             pair = sorted([by_name[0], silent])
-            counts = [0 if n == by_name[0] else members + 1 for n in pair]
-        elif named and len(live) >= PAIR:
-            pair = sorted(sorted(by_name, key=lambda n: (load_of(n), n))[:PAIR])
+            slots = [pair.index(by_name[0])] * len(homed)
+            return RelayChoice(pair, slots, [pair[s] for s in slots])
+        if named and len(live) >= PAIR:
+            # The relay nearest most members, then the one that brings the rest nearest;
+            # among relays equally near, the least loaded (ties by name).
+            def total(name: str) -> int:
+                return sum(near(name, m) for m in members)
+
+            first = min(by_name, key=lambda n: (-total(n), load_of(n), n))
+
+            def gained(name: str) -> int:
+                return sum(max(0, near(name, m) - near(first, m)) for m in members)
+
+            second = min(
+                (n for n in by_name if n != first),
+                key=lambda n: (-gained(n), -total(n), load_of(n), n),
+            )
+            pair = sorted([first, second])
             counts = [load_of(n) for n in pair]
         else:
             pair = []
             counts = [load_of(first_two[i]) if i < len(first_two) else load[i] for i in range(PAIR)]
         slots = []
-        for _ in range(members):
-            slot = counts.index(min(counts))  # ties go to the first
+        for member in homed:
+            # The nearer of the two; equally near, the one with fewer members (ties: the first).
+            nearest = max(near(n, member) for n in pair) if pair else 0
+            slot = min(
+                (s for s in range(PAIR) if not pair or near(pair[s], member) == nearest),
+                key=lambda s: counts[s],
+            )
             counts[slot] += 1
             slots.append(slot)
         homes: list[Home] = [pair[s] for s in slots] if pair else list(slots)

@@ -234,7 +234,7 @@ class Placer:
                 self._capacity_changed()
 
     async def _watch_relays(self, caught_up: asyncio.Event) -> None:
-        """The relays' heartbeats: a Relayed gang gets the two least loaded live ones."""
+        """The relays' heartbeats: a Relayed gang gets two live ones, nearest and least loaded."""
         async for change in self.relay_records.watch(caught_up=caught_up):
             self.relays.set(change.key, change.value)
 

@@ -29,7 +29,12 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         default=socket.gethostname().split(".")[0].lower(),
         help="relay name (default: hostname)",
     )
-    parser.add_argument("--region", required=True, help="region shown as derp:<region> in probes")
+    parser.add_argument(
+        "--region",
+        required=True,
+        help="the provider region (us-east-1) or region class (us) whose machines this relay"
+        " serves first; shown as derp:<region> in probes",
+    )
     parser.add_argument(
         "--listen", default="0.0.0.0:4430", help="HOST:PORT for members and mesh peers"
     )

@@ -4,7 +4,6 @@ G8 variable, epochs persisted before their join keys, ranktables, IP collisions,
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from datetime import timedelta
 
 import pytest
@@ -14,11 +13,8 @@ from libs.client.client import Client
 from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.epochs import AddressClaim, Epoch, JoinKeyGrant, Lease, Ranktable
-from libs.contracts.fleet import Machine
 from libs.contracts.jobs import ConditionType, Job, Phase
-from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS, RelayRecord
 from libs.mesh import verify_join_key
-from services.agent.inventory import capabilities_of
 from services.placer.addresses import MESH_NETWORK
 from tests.conftest import StartPlacer, eventually, placed
 from tests.factories import job, machine, node_record, register
@@ -474,103 +470,3 @@ async def test_a_torn_down_epoch_frees_its_machines_for_the_next_plan_at_once(
     await asyncio.gather(watching_leases, return_exceptions=True)
     await placer.committer.teardown("acme.one", 1)
     assert all(node in placer.view.free for node in nodes)
-
-
-def l4_containers(count: int) -> list[Machine]:
-    """Container-only L4 machines `vast-00`.. (any gang of them is Relayed), in name order."""
-    return [
-        machine(
-            f"vast-{i:02}",
-            provider="vast",
-            offering="container",
-            address=f"10.9.1.{i + 1}",
-            accelerators=L4,
-        )
-        for i in range(count)
-    ]
-
-
-async def test_relayed_members_applied_at_once_spread_evenly_across_the_two_relays(
-    bus: Bus, start_placer: StartPlacer
-) -> None:
-    await register(bus, [node_record(m) for m in l4_containers(16)])
-    await start_placer()
-    client = Client(bus)
-    spec = {"accelerators": {"model": "L4"}, "distributed": {"members": 2, "transport": "Auto"}}
-    names_ = [f"rl-{i}" for i in range(8)]
-    await asyncio.gather(*(client.apply(job(name, org="acme", **spec)) for name in names_))
-    gangs = [await placed(bus, f"acme.{name}") for name in names_]
-    slots = [m.relay_slot for g in gangs if g.status.gang for m in g.status.gang.members]
-    assert slots.count(0) == slots.count(1) == 8, slots
-    epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
-    for gang in gangs:
-        assert gang.status.gang is not None
-        record = await epochs.get(names.epoch_key(gang.key, gang.status.epoch))
-        assert record is not None
-        assert [m.relay_slot for m in record.value.members] == [
-            m.relay_slot for m in gang.status.gang.members
-        ]
-
-
-async def test_relayed_gangs_get_the_least_loaded_two_of_every_live_relay(
-    bus: Bus, start_placer: StartPlacer
-) -> None:
-    """Four relays (say one per core of two relay hosts): 8 gangs of 2 take two each, the
-    least loaded, so every relay carries 4 members and each gang's members split over its two;
-    the job and the epoch name the same relays, and a relay whose heartbeat stopped is left
-    out. An agent without named relays (older) keeps its gang on the first two by name."""
-    records = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
-    t = now()
-    for index in range(5):
-        await records.put(
-            f"relay-{index}",
-            RelayRecord(
-                name=f"relay-{index}",
-                region="eu",
-                address=f"127.0.0.1:{4430 + index}",
-                public_key="",
-                version="test",
-                capabilities=["relay-v1", CAPABILITY_EPOCH_RELAYS],
-                # relay-4 stopped announcing a minute ago
-                heartbeat_time=t - timedelta(seconds=60 if index == 4 else 0),
-            ),
-        )
-    fleet = l4_containers(18)
-    older = [m for m in fleet if m.name in ("vast-16", "vast-17")]
-    await register(
-        bus,
-        [node_record(m) for m in fleet if m not in older]
-        + [
-            node_record(m, capabilities=[c for c in capabilities_of(m) if c != "epoch-relays"])
-            for m in older
-        ],
-    )
-    await start_placer()
-    client = Client(bus)
-    spec = {"accelerators": {"model": "L4"}, "distributed": {"members": 2, "transport": "Auto"}}
-    for index in range(8):  # one after the other: each sees the load of those before
-        await client.apply(job(f"rl-{index}", org="acme", **spec))
-        await placed(bus, f"acme.rl-{index}")
-    homes: Counter[str] = Counter()
-    epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
-    for index in range(8):
-        gang = (await placed(bus, f"acme.rl-{index}")).status
-        assert gang.gang is not None and len(gang.gang.relays) == 2, gang
-        assert "relay-4" not in gang.gang.relays
-        assert sorted(m.relay_slot or 0 for m in gang.gang.members) == [0, 1]
-        homes.update(gang.gang.relays[m.relay_slot or 0] for m in gang.gang.members)
-        record = await epochs.get(names.epoch_key(f"acme.rl-{index}", gang.epoch))
-        assert record is not None and record.value.relays == gang.gang.relays
-    assert homes == {f"relay-{i}": 4 for i in range(4)}
-    # Only the two older machines are left: their gang names no relays.
-    await client.apply(job("old", org="acme", **spec))
-    old = (await placed(bus, "acme.old")).status.gang
-    assert (
-        old is not None
-        and old.relays == []
-        and {m.node for m in old.members}
-        == {
-            "vast-16",
-            "vast-17",
-        }
-    )
