@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
+from libs.bus import Versioned
 from libs.contracts import names
 from libs.contracts.base import convert, now
 from libs.contracts.fleet import Machine, NodeHealth, NodeRecord
-from libs.contracts.jobs import Job
+from libs.contracts.jobs import GangMember, GangStatus, Job, PathClass, Phase
 from services.agent.inventory import capabilities_of, inventory_of
 
 
@@ -66,3 +69,21 @@ async def register(bus: Any, records: list[NodeRecord]) -> None:
             for r in records
         ),
     )
+
+
+def relayed(
+    name: str, phase: Phase, slots: list[int], revision: int, relays: list[str] | None = None
+) -> Versioned[Job]:
+    """Job `name` in `phase`, a Relayed gang whose members home on `slots` (of `relays`)."""
+    base = job(name)
+    members = [
+        GangMember(rank=i, node=f"{name}-{i}", address="", relay_slot=s)
+        for i, s in enumerate(slots)
+    ]
+    status = msgspec.structs.replace(
+        base.status,
+        phase=phase,
+        epoch=1,
+        gang=GangStatus(PathClass.RELAYED, members, relays=relays or []),
+    )
+    return Versioned(base.key, msgspec.structs.replace(base, status=status), revision)

@@ -42,12 +42,12 @@ def kinds_command(name: str, help: str, kinds: Sequence[Kind], get: bool) -> Com
 
 def commands() -> list[Command]:
     """Every command, in the order `nodus --help` lists them."""
-    from app.cli import bus, jobs, qualify, repair, system
+    from app.cli import bus, jobs, qualify, relays, repair, system
 
     get = kinds_command(
         "get",
-        "list jobs or nodes, or show one job",
-        [*jobs.GET_KINDS, *qualify.GET_KINDS, *repair.GET_KINDS],
+        "list jobs, nodes or relays, or show one job",
+        [*jobs.GET_KINDS, *relays.GET_KINDS, *qualify.GET_KINDS, *repair.GET_KINDS],
         True,
     )
     describe = kinds_command(

@@ -15,14 +15,15 @@ from libs.bus import Bus, Versioned
 from libs.bus.connection import default_credentials
 from libs.contracts import names
 from libs.contracts.api import ApplyReply, ApplyRequest, DeleteReply, DeleteRequest
-from libs.contracts.base import convert, decode
+from libs.contracts.base import convert, decode, now
 from libs.contracts.epochs import Epoch, Lease, Ranktable
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeHealth, NodeRecord
 from libs.contracts.jobs import Job, JobEvent
 from libs.contracts.lifecycle import LogsReply, LogsRequest, ProbeRecord
-from libs.contracts.relay import UsageRecord
+from libs.contracts.relay import RelayLoad, RelayRecord, UsageRecord
 from libs.jobs.billing import billed_bytes
+from libs.jobs.relays import relay_loads
 
 # How long an apply is asked again while no placer answers it (one restarting, the other
 # reconnecting), or a placer took it and died before answering; and each try's wait, well
@@ -149,6 +150,16 @@ class Client:
         jobs = await self.jobs.snapshot()
         return sorted(
             (item.value for item in jobs.values()), key=lambda j: (j.metadata.org, j.metadata.name)
+        )
+
+    async def list_relays(self) -> list[RelayLoad]:
+        """Every relay that announced itself, with the members homed on it and the gangs that
+        name it."""
+        await self.bus.ensure_bucket(names.BUCKET_RELAYS)  # here, not in every command's start
+        records = await self.bus.bucket(names.BUCKET_RELAYS, RelayRecord).snapshot()
+        jobs = await self.jobs.snapshot()
+        return relay_loads(
+            (item.value for item in records.values()), (item.value for item in jobs.values()), now()
         )
 
     async def get_job(self, name: str, org: str | None = None) -> Job:

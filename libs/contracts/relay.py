@@ -92,6 +92,19 @@ class RelayRecord(Record):
     stun_address: str = ""
 
 
+class RelayLoad(Record):
+    """One relay as `nodus get relays` shows it."""
+
+    name: str
+    region: str
+    address: str
+    version: str
+    live: bool
+    heartbeat_time: datetime
+    members: int  # members of active Relayed gangs homed on it: what the placer balances
+    gangs: list[str]  # active gangs that name it, as home or failover (Direct: fallback)
+
+
 class UsageRecord(Record):
     """Bytes one member's programs sent through one relay in one interval (the plaintext of
     its WireGuard transport messages: WireGuard's own header, tag, keepalives and handshakes

@@ -36,13 +36,14 @@ from libs.contracts.jobs import Estimate, GangMember, GangStatus, Job, JobEvent,
 from libs.contracts.placer import PlacerConfig
 from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS
 from libs.jobs import lifecycle
+from libs.jobs.relays import Home
 from libs.jobs.store import event_message
 from libs.mesh import MeshIdentity
 from libs.runtime.tasks import TaskSet
 from services.placer.cluster import ClusterView
 from services.placer.environment import device_names, rank_environments
 from services.placer.invariants import check_plan
-from services.placer.jobcache import Home, JobCache
+from services.placer.jobcache import JobCache
 from services.placer.planner import Exclusions, Plan
 from services.placer.relays import LiveRelays, RelayChoice, Whereabouts
 

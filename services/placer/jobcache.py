@@ -7,14 +7,8 @@ from __future__ import annotations
 from collections import Counter
 
 from libs.bus import Versioned
-from libs.contracts.jobs import Job, PathClass, Phase
-from libs.contracts.relay import RELAYS_PER_MEMBER
-from libs.jobs.lifecycle import ACTIVE
-
-# Where a member of an active Relayed gang homes: a relay's name, or, for a gang placed
-# without named relays (`GangStatus.relays` empty), its slot among the first two live relays
-# by name (which relays those are is only known against the live relays of the moment).
-Home = str | int
+from libs.contracts.jobs import Job, Phase
+from libs.jobs.relays import Home, relay_homes
 
 
 class JobCache:
@@ -55,18 +49,3 @@ class JobCache:
         counts = Counter(self._relayed)
         counts.subtract(self._homes.get(leaving_out, []))
         return counts
-
-
-def relay_homes(job: Job) -> list[Home]:
-    """Where each member of an active Relayed gang homes; nothing for any other job."""
-    status = job.status
-    gang = status.gang
-    if status.phase not in ACTIVE or gang is None or gang.transport is not PathClass.RELAYED:
-        return []
-    if gang.relays:
-        return [
-            gang.relays[m.relay_slot % len(gang.relays)]
-            for m in gang.members
-            if m.relay_slot is not None
-        ]
-    return [m.relay_slot % RELAYS_PER_MEMBER for m in gang.members if m.relay_slot is not None]

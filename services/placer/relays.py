@@ -26,7 +26,7 @@ from libs.contracts.relay import (
     RELAYS_PER_MEMBER,
     RelayRecord,
 )
-from services.placer.jobcache import Home
+from libs.jobs.relays import Home
 
 PAIR = RELAYS_PER_MEMBER  # relays per gang (G15): a member's home and its failover
 # A relay silent for less than this may be the failover of a gang placed while it is down

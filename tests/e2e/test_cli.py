@@ -17,6 +17,7 @@ import yaml
 
 from libs.bus.server import free_port
 from tests.e2e.daemon_logs import DaemonLogs
+from tests.e2e.nodus_cli import nodus_on
 
 pytestmark = pytest.mark.slow
 
@@ -25,17 +26,7 @@ NODUS = str(Path(sys.executable).parent / "nodus")
 
 
 def nodus(url: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [NODUS, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-        env={**os.environ, "NODUS_NATS_URL": url},
-    )
-    if check:
-        assert result.returncode == 0, f"nodus {' '.join(args)}: {result.stderr}"
-    return result
+    return nodus_on(url, *args, check=check)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ relays, an agent per machine with its dataplane):
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -19,9 +20,14 @@ from pathlib import Path
 import pytest
 
 from libs.contracts.relay import RELAY_FRESH_SECONDS
+from tests.e2e.nodus_cli import nodus_on
 from tests.e2e.relayed_lab import containers, new_system, start_lab
 
 pytestmark = pytest.mark.slow
+
+
+def get_relays(url: str, *flags: str) -> str:
+    return nodus_on(url, "get", "relays", *flags).stdout
 
 
 def test_two_gangs_on_four_relays_use_two_each(tmp_path: Path) -> None:
@@ -44,6 +50,12 @@ def test_two_gangs_on_four_relays_use_two_each(tmp_path: Path) -> None:
         # Every relay carries one gang: its two members (each keeps its failover's session).
         sessions = {r: first.metric(r, "nodus_relay_sessions") for r in first.relays()}
         assert sessions == {f"relay-{i}": 2 for i in range(4)}, sessions
+        # The operator sees the same spread: one member homed on each relay, live.
+        shown = json.loads(get_relays(system.url, "-o", "json"))
+        assert [(r["name"], r["live"], r["members"], len(r["gangs"])) for r in shown] == [
+            (f"relay-{i}", True, 1, 1) for i in range(4)
+        ], shown
+        assert "MEMBERS" in get_relays(system.url)
     finally:
         system.stop()
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 
 from libs.bus.server import free_port
 from tests.e2e.daemon_logs import DaemonLogs
+from tests.e2e.nodus_cli import nodus_on
 
 pytestmark = pytest.mark.slow
 FINAL = ("Done", "Failed", "Cancelled")
@@ -46,17 +46,7 @@ machines:
 def nodus(
     url: str, state: Path, *args: str, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [NODUS, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-        env={**os.environ, "NODUS_NATS_URL": url, "NODUS_STATE_DIR": str(state)},
-    )
-    if check:
-        assert result.returncode == 0, f"nodus {' '.join(args)}: {result.stderr}"
-    return result
+    return nodus_on(url, *args, check=check, env={"NODUS_STATE_DIR": str(state)})
 
 
 def until(check: Callable[[], Any], timeout: float = 60.0) -> Any:

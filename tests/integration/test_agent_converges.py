@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,9 +24,9 @@ from libs.contracts.epochs import JoinKeyGrant
 from libs.contracts.fleet import NodeRecord
 from services.relay.relay import Relay
 from tests.conftest import StartPlacer, eventually
+from tests.e2e.nodus_cli import nodus_on
 from tests.factories import job
 from tests.integration.agent_daemons import (
-    REPO,
     AgentDaemon,
     Stream,
     agent_daemons,
@@ -53,16 +50,7 @@ async def daemons(
 
 
 def get_nodes(url: str, *flags: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "app", "get", "nodes", *flags],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-        env={**os.environ, "NODUS_NATS_URL": url},
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout
+    return nodus_on(url, "get", "nodes", *flags).stdout
 
 
 async def test_an_agent_converges_to_an_epoch_placed_while_it_was_down_and_reports_what_fails(

@@ -4,29 +4,9 @@ loaded relays."""
 
 from __future__ import annotations
 
-import msgspec
-
-from libs.bus import Versioned
-from libs.contracts.jobs import GangMember, GangStatus, Job, PathClass, Phase
+from libs.contracts.jobs import Phase
 from services.placer.jobcache import JobCache
-from tests.factories import job
-
-
-def relayed(
-    name: str, phase: Phase, slots: list[int], revision: int, relays: list[str] | None = None
-) -> Versioned[Job]:
-    base = job(name)
-    members = [
-        GangMember(rank=i, node=f"{name}-{i}", address="", relay_slot=s)
-        for i, s in enumerate(slots)
-    ]
-    status = msgspec.structs.replace(
-        base.status,
-        phase=phase,
-        epoch=1,
-        gang=GangStatus(PathClass.RELAYED, members, relays=relays or []),
-    )
-    return Versioned(base.key, msgspec.structs.replace(base, status=status), revision)
+from tests.factories import relayed
 
 
 def test_counts_follow_each_gangs_newest_version() -> None:

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 from libs.contracts.base import now
 from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS, RelayRecord
-from services.placer.jobcache import Home
+from libs.jobs.relays import Home
 from services.placer.relays import LiveRelays, Whereabouts
 
 US_EAST = Whereabouts("us-east-1", "us")
