@@ -252,8 +252,8 @@ class LocalSystem:
         host = str(CONTROL_ADDRESS) if self.lab is not None else "127.0.0.1"
         ports = [4430 + i if self.lab else free_port() for i in range(self.relays)]
         regions = ["eu-central", "us-east", "ap-south", "us-west"]
+        every = ",".join(f"{host}:{p}" for p in ports)  # each skips its own, as on real hosts
         for index, port in enumerate(ports):
-            others = ",".join(f"{host}:{p}" for p in ports if p != port)
             stun = ["--stun-port", str(3478 + index)] if self.lab is not None else []
             self._spawn(
                 f"relay-{index}",
@@ -266,7 +266,7 @@ class LocalSystem:
                     "--listen",
                     f"{host}:{port}",
                     "--mesh-with",
-                    others,
+                    every,
                     "--mesh-key-file",
                     str(key_file.resolve()),
                     "--usage-journal",

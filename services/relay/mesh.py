@@ -142,6 +142,12 @@ class Mesh:
             try:
                 conn = await open_connection(host, port, DIAL_TIMEOUT, factory=Connection)
                 welcome = await conn.dial(hello)
+                if welcome.relay == self.name:
+                    # Every relay may be given one list of them all, itself included (one
+                    # relay.env for a host's relays): a link to itself would carry nothing.
+                    log.info("mesh peer %s is this relay: not linked", peer.address)
+                    del self.peers[peer.address]
+                    return
                 peer.name = welcome.relay
                 peer.conn = conn
                 self._count()
@@ -194,6 +200,8 @@ class Mesh:
             await conn.refuse("BadProof", "wrong mesh key")
             return
         conn.send_nowait(Welcome(self.name, self.region, 0))
+        if hello.name == self.name:
+            return  # our own link to ourselves: the Welcome tells it so, and it goes away
         present: dict[bytes, tuple[str, int]] = {}
         self.remote[hello.name] = present
         try:

@@ -35,8 +35,9 @@ L4 = {"count": 1, "backend": "cuda", "model": "L4"}
 
 
 async def meshed_relays(bus: Bus) -> list[Relay]:
-    """Two relays meshed with each other, as `nodus up` runs them, started; once this returns,
-    each has its link to the other up and knows who is homed there."""
+    """Two relays meshed with each other, started; once this returns, each has its link to the
+    other up and knows who is homed there. Each is given both addresses, its own included,
+    as relays sharing one relay.env are."""
     ports = [free_port(), free_port()]
     relays = [
         Relay(
@@ -44,7 +45,7 @@ async def meshed_relays(bus: Bus) -> list[Relay]:
             f"relay-{i}",
             ["eu-central", "us-east"][i],
             ("127.0.0.1", ports[i]),
-            [f"127.0.0.1:{ports[1 - i]}"],
+            [f"127.0.0.1:{port}" for port in ports],
             MESH_KEY,
         )
         for i in range(2)

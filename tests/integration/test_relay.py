@@ -15,6 +15,7 @@ from libs.contracts.epochs import Epoch
 from libs.contracts.errors import NodusError
 from libs.relayproto import encode
 from libs.relayproto.frames import Send
+from services.relay.mesh import RECONNECT_DELAY
 from services.relay.relay import Relay
 from tests.integration.conftest import Node, connected, counted, enrol, known, metric, wg_shaped
 
@@ -50,6 +51,21 @@ async def test_members_on_different_relays_reach_each_other_through_the_mesh(
     assert src == b.public and got == wg_shaped(10, 0x42)
     client_a.close()
     client_b.close()
+
+
+async def test_a_relay_given_its_own_address_to_mesh_with_links_only_to_the_others(
+    bus: Bus, relays: tuple[Relay, Relay]
+) -> None:
+    # Each was given both addresses (one relay.env for every relay of a host, say).
+    for _ in range(100):
+        if all(len(r.mesh.peers) == 1 for r in relays):
+            break
+        await asyncio.sleep(0.05)
+    for _ in range(2):  # and still so past a reconnect delay: it does not dial itself again
+        for relay, other in (relays, relays[::-1]):
+            assert [p.name for p in relay.mesh.peers.values()] == [other.name]
+            assert set(relay.mesh.remote) == {other.name}
+        await asyncio.sleep(RECONNECT_DELAY * 2)
 
 
 async def test_nobody_outside_the_gang_epoch_gets_through(

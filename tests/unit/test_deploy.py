@@ -64,11 +64,17 @@ def test_the_nats_chart_values_ask_for_a_tls_cluster_of_three_with_jetstream() -
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
 def test_every_daemon_has_a_unit_systemd_accepts_and_rates_ok(tmp_path: Path) -> None:
     units = sorted((DEPLOY / "systemd").glob("*.service"))
-    assert sorted(u.stem.removeprefix("nodus-") for u in units) == sorted(DAEMONS)
+    daemons = [u.stem.removeprefix("nodus-") for u in units if "@" not in u.stem]
+    assert sorted(daemons) == sorted(DAEMONS)
+    # Templates are checked as an instance: nodus-relay@4431, one more relay on a host.
+    templates = [u.stem for u in units if "@" in u.stem]
+    assert templates == ["nodus-relay@"]
     nodus = str(Path(sys.executable).parent / "nodus")  # the units name /opt/nodus/bin/nodus
+    copies = []
     for unit in units:
-        (tmp_path / unit.name).write_text(unit.read_text().replace("/opt/nodus/bin/nodus", nodus))
-    copies = [str(tmp_path / u.name) for u in units]
+        instance = tmp_path / unit.name.replace("@.", "@4431.")
+        instance.write_text(unit.read_text().replace("/opt/nodus/bin/nodus", nodus))
+        copies.append(str(instance))
     verified = subprocess.run(
         ["systemd-analyze", "verify", *copies], capture_output=True, text=True
     )
