@@ -1,5 +1,6 @@
-"""`nodus get relays|relay`: each relay, whether it is live, and the load the placer balances
-on it (members homed), so an operator sees gangs spread over the relays and regions."""
+"""`nodus get relays|relay`: each relay, whether it is live, the members homed on it and the
+load the placer balances (their shares of their gangs' caps), so an operator sees gangs
+spread over the relays and regions."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from app.output import table
 from libs.client.client import Client
 from libs.contracts.relay import RelayLoad
 
-RELAY_COLUMNS = ["NAME", "REGION", "ADDRESS", "STATUS", "MEMBERS", "GANGS", "VERSION"]
+RELAY_COLUMNS = ["NAME", "REGION", "ADDRESS", "STATUS", "MEMBERS", "CAP MBIT/S", "GANGS", "VERSION"]
 
 
 def _row(relay: RelayLoad) -> list[str]:
@@ -24,6 +25,7 @@ def _row(relay: RelayLoad) -> list[str]:
         relay.address,
         status,
         str(relay.members),
+        str(relay.cap_mbps),
         str(len(relay.gangs)),
         relay.version,
     ]

@@ -101,7 +101,9 @@ class RelayLoad(Record):
     version: str
     live: bool
     heartbeat_time: datetime
-    members: int  # members of active Relayed gangs homed on it: what the placer balances
+    members: int  # members of active Relayed gangs homed on it
+    # What the placer balances: the sum of those members' shares of their gangs' caps (G18).
+    cap_mbps: int
     gangs: list[str]  # active gangs that name it, as home or failover (Direct: fallback)
 
 

@@ -1,13 +1,18 @@
-"""Which relays the active gangs use (pure): where each member of a Relayed gang homes, which
-the placer balances on, and what `nodus get relays` shows of each relay."""
+"""Which relays the active gangs use (pure): where each member of a Relayed gang homes, the
+load that puts on each relay, which the placer balances, and what `nodus get relays` shows.
+
+A relay's load is the sum of its homed members' shares of their gang's cap (G18: 1 Gbit/s a
+gang, split evenly across its members), not their number: the relay's work is per byte, and a
+member of a 2-member gang may send four times what one of an 8-member gang may."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 
-from libs.contracts.jobs import Job, PathClass
+from libs.contracts.bounds import RELAY_GANG_BITS_PER_SECOND
+from libs.contracts.jobs import MAX_MEMBERS, Job, PathClass
 from libs.contracts.relay import (
     RELAY_FRESH_SECONDS,
     RELAYS_PER_MEMBER,
@@ -20,6 +25,22 @@ from libs.jobs.lifecycle import ACTIVE
 # without named relays (`GangStatus.relays` empty), its slot among the first two live relays
 # by name (which relays those are is only known against the live relays of the moment).
 Home = str | int
+
+# A member's share of its gang's cap in whole units: every gang size divides it, so loads add
+# up exactly (ties between relays stay ties).
+SHARE_UNITS = 840
+assert all(SHARE_UNITS % size == 0 for size in range(1, MAX_MEMBERS + 1))
+
+
+def member_share(members: int) -> int:
+    """One member's share of its gang's cap (G18), in SHARE_UNITS of the gang's whole cap."""
+    return SHARE_UNITS // members
+
+
+def weighed(homes: Sequence[Home]) -> Counter[Home]:
+    """The load one gang's members put on each relay: each member's share where it homes."""
+    share = member_share(len(homes)) if homes else 0
+    return Counter({home: share * count for home, count in Counter(homes).items()})
 
 
 def relay_homes(job: Job) -> list[Home]:
@@ -45,18 +66,21 @@ def is_live(record: RelayRecord, t: datetime) -> bool:
 def relay_loads(
     records: Iterable[RelayRecord], jobs: Iterable[Job], t: datetime
 ) -> list[RelayLoad]:
-    """Every relay, by name, with the members homed on it and the gangs naming it. A gang
-    placed without named relays counts against the first two live relays by name, as its
-    members pick them."""
+    """Every relay, by name, with the members homed on it, their shares of their gangs' caps
+    and the gangs naming it. A gang placed without named relays counts against the first two
+    live relays by name, as its members pick them."""
     relays = sorted(records, key=lambda r: r.name)
     first_two = [r.name for r in relays if is_live(r, t)][:RELAYS_PER_MEMBER]
     members: Counter[str] = Counter()
+    load: Counter[str] = Counter()
     gangs: dict[str, list[str]] = {r.name: [] for r in relays}
     for job in jobs:
         homes = relay_homes(job)
-        members.update(
-            h if isinstance(h, str) else first_two[h] for h in homes if _known(h, first_two)
-        )
+        for home, units in weighed(homes).items():
+            if _known(home, first_two):
+                name = home if isinstance(home, str) else first_two[home]
+                members[name] += units // member_share(len(homes))
+                load[name] += units
         gang = job.status.gang
         if job.status.phase not in ACTIVE or gang is None or gang.transport is PathClass.PRIVATE:
             continue
@@ -71,6 +95,7 @@ def relay_loads(
             live=is_live(r, t),
             heartbeat_time=r.heartbeat_time,
             members=members[r.name],
+            cap_mbps=load[r.name] * RELAY_GANG_BITS_PER_SECOND // SHARE_UNITS // 1_000_000,
             gangs=sorted(gangs.get(r.name, [])),
         )
         for r in relays

@@ -6,6 +6,7 @@ outcome (R14); and an epoch fenced and everything it held freed (teardown)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -36,7 +37,7 @@ from libs.contracts.jobs import Estimate, GangMember, GangStatus, Job, JobEvent,
 from libs.contracts.placer import PlacerConfig
 from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS
 from libs.jobs import lifecycle
-from libs.jobs.relays import Home
+from libs.jobs.relays import Home, weighed
 from libs.jobs.store import event_message
 from libs.mesh import MeshIdentity
 from libs.runtime.tasks import TaskSet
@@ -112,7 +113,8 @@ class Committer:
         self.events = TaskSet("placer events", log)
         self.batches = Batches(bus)  # a step's writes for every placement, sent as one
         self._events: list[tuple[str, JobEvent, str]] = []  # announced, not yet sent
-        self._relaying: dict[str, list[Home]] = {}  # gang -> its members' relays, mid-commit
+        # Each gang's load on its relays while it is committed (its job does not say so yet).
+        self._relaying: dict[str, collections.Counter[Home]] = {}
 
     async def close(self) -> None:
         await self.events.close()
@@ -330,17 +332,17 @@ class Committer:
         """The gang's two relays, the nearest its members and least loaded, and, if `home`,
         each member's home on them, counting the gangs placed, those being committed now
         (their jobs do not say Placed yet) and this gang's members before it."""
-        load = self.cache.relayed_members(leaving_out=gang)
-        for other, homes in self._relaying.items():
+        load = self.cache.relay_load(leaving_out=gang)
+        for other, adds in self._relaying.items():
             if other != gang:
-                load.update(homes)
+                load.update(adds)
         named = all(
             CAPABILITY_EPOCH_RELAYS in self.view.records[node].capabilities for node in plan.nodes
         )
         inventories = [self.view.records[node].inventory for node in plan.nodes]
         whereabouts = [Whereabouts(i.region, i.region_class) for i in inventories]
         choice = self.relays.choose(whereabouts, load, named, t, home, self.view.region_classes)
-        self._relaying[gang] = choice.homes
+        self._relaying[gang] = weighed(choice.homes)
         return choice
 
     async def next_epoch(self, job: Job) -> int:

@@ -8,16 +8,17 @@ from collections import Counter
 
 from libs.bus import Versioned
 from libs.contracts.jobs import Job, Phase
-from libs.jobs.relays import Home, relay_homes
+from libs.jobs.relays import Home, relay_homes, weighed
 
 
 class JobCache:
     def __init__(self) -> None:
         self._jobs: dict[str, Versioned[Job]] = {}
-        # Members of active Relayed gangs on each relay, kept as jobs change: a count over
-        # every job per Relayed placement made a burst's placements quadratic.
+        # The load of active Relayed gangs on each relay (their members' shares of the gang's
+        # cap), kept as jobs change: a count over every job per Relayed placement made a
+        # burst's placements quadratic.
         self._relayed: Counter[Home] = Counter()
-        self._homes: dict[str, list[Home]] = {}  # an active Relayed gang's members' homes
+        self._loads: dict[str, Counter[Home]] = {}  # an active Relayed gang's load
 
     def saw(self, job: Versioned[Job]) -> bool:
         """Keep the newer of what is known and `job` (revisions only grow); False when `job`
@@ -25,18 +26,18 @@ class JobCache:
         known = self._jobs.get(job.key)
         if known is None or job.revision > known.revision:
             self._jobs[job.key] = job
-            self._count(job.key, relay_homes(job.value))
+            self._count(job.key, weighed(relay_homes(job.value)))
         return known is None or job.revision >= known.revision
 
     def forget(self, key: str) -> None:
         self._jobs.pop(key, None)
-        self._count(key, [])
+        self._count(key, Counter())
 
-    def _count(self, key: str, homes: list[Home]) -> None:
-        self._relayed.subtract(self._homes.pop(key, []))
-        if homes:
-            self._homes[key] = homes
-            self._relayed.update(homes)
+    def _count(self, key: str, load: Counter[Home]) -> None:
+        self._relayed.subtract(self._loads.pop(key, Counter()))
+        if load:
+            self._loads[key] = load
+            self._relayed.update(load)
 
     def pending(self, key: str) -> Versioned[Job] | None:
         """The job, if what is known of it says Pending (else the caller reads it: only a
@@ -44,8 +45,9 @@ class JobCache:
         known = self._jobs.get(key)
         return known if known is not None and known.value.status.phase is Phase.PENDING else None
 
-    def relayed_members(self, leaving_out: str = "") -> Counter[Home]:
-        """Members of active Relayed gangs homed on each relay (but `leaving_out`'s)."""
-        counts = Counter(self._relayed)
-        counts.subtract(self._homes.get(leaving_out, []))
-        return counts
+    def relay_load(self, leaving_out: str = "") -> Counter[Home]:
+        """The load of active Relayed gangs on each relay (but `leaving_out`'s), in
+        SHARE_UNITS of a gang's cap (libs/jobs/relays.py)."""
+        load = Counter(self._relayed)
+        load.subtract(self._loads.get(leaving_out, Counter()))
+        return load

@@ -2,8 +2,8 @@
 
 A gang gets relays of its members' region: a relay whose `--region` is a member's region
 (`us-east-1`) is nearest, one of the member's region class next (its region is the class, `us`,
-or a region whose machines are of that class), any other last. Among those equally near, the least loaded of every live relay (members homed, counted
-over the active gangs), so adding relays adds capacity: one relay process per core of a relay
+or a region whose machines are of that class), any other last. Among those equally near, the least loaded of every live relay (its load: the shares of
+their gangs' caps of the members homed on it, over the active gangs, libs/jobs/relays.py), so adding relays adds capacity: one relay process per core of a relay
 host, or more hosts, or more regions. A gang spanning regions gets the relay nearest most of
 its members and the one that brings the rest nearest, each member homed on the nearer of the
 two. Members equally near both spread evenly over them; each fails over to the other. While only one
@@ -26,7 +26,7 @@ from libs.contracts.relay import (
     RELAYS_PER_MEMBER,
     RelayRecord,
 )
-from libs.jobs.relays import Home
+from libs.jobs.relays import Home, member_share
 
 PAIR = RELAYS_PER_MEMBER  # relays per gang (G15): a member's home and its failover
 # A relay silent for less than this may be the failover of a gang placed while it is down
@@ -87,8 +87,8 @@ class LiveRelays:
         classes: Mapping[str, str] | None = None,
     ) -> RelayChoice:
         """The gang's relays and, if `home`, its members' homes (in rank order), given the
-        members already homed on each relay (`load`: by name, or by slot for gangs without
-        named relays). `named`: the gang's agents read named relays; every live relay must,
+        load already on each relay (`load`, in SHARE_UNITS: by name, or by slot for gangs
+        without named relays). `named`: the gang's agents read named relays; every live relay must,
         too. A Direct gang's pair (`home` False) is only its fallback and homes no one.
         `classes`: each provider region's class, as the fleet's machines say."""
         live = self.live(t)
@@ -139,14 +139,15 @@ class LiveRelays:
             pair = []
             counts = [load_of(first_two[i]) if i < len(first_two) else load[i] for i in range(PAIR)]
         slots = []
+        share = member_share(len(homed)) if homed else 0
         for member in homed:
-            # The nearer of the two; equally near, the one with fewer members (ties: the first).
+            # The nearer of the two; equally near, the less loaded (ties: the first).
             nearest = max(near(n, member) for n in pair) if pair else 0
             slot = min(
                 (s for s in range(PAIR) if not pair or near(pair[s], member) == nearest),
                 key=lambda s: counts[s],
             )
-            counts[slot] += 1
+            counts[slot] += share
             slots.append(slot)
         homes: list[Home] = [pair[s] for s in slots] if pair else list(slots)
         return RelayChoice(pair, slots, homes)

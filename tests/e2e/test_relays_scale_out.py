@@ -52,9 +52,9 @@ def test_two_gangs_on_four_relays_use_two_each(tmp_path: Path) -> None:
         assert sessions == {f"relay-{i}": 2 for i in range(4)}, sessions
         # The operator sees the same spread: one member homed on each relay, live.
         shown = json.loads(get_relays(system.url, "-o", "json"))
-        assert [(r["name"], r["live"], r["members"], len(r["gangs"])) for r in shown] == [
-            (f"relay-{i}", True, 1, 1) for i in range(4)
-        ], shown
+        assert [
+            (r["name"], r["live"], r["members"], r["capMbps"], len(r["gangs"])) for r in shown
+        ] == [(f"relay-{i}", True, 1, 500, 1) for i in range(4)], shown
         assert "MEMBERS" in get_relays(system.url)
     finally:
         system.stop()

@@ -10,9 +10,10 @@ from datetime import timedelta
 
 from libs.contracts.base import now
 from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS, RelayRecord
-from libs.jobs.relays import Home
+from libs.jobs.relays import SHARE_UNITS, Home, weighed
 from services.placer.relays import LiveRelays, Whereabouts
 
+HALF = SHARE_UNITS // 2  # one member of a gang of 2
 US_EAST = Whereabouts("us-east-1", "us")
 US_WEST = Whereabouts("us-west-2", "us")
 EU = Whereabouts("eu-west-1", "eu")
@@ -60,9 +61,9 @@ def test_gangs_spread_over_every_live_relay() -> None:
     for _ in range(8):  # 8 gangs of 2, placed one after the other
         choice = live.choose(anywhere(2), load, named=True, t=now())
         assert sorted(choice.slots) == [0, 1]  # one member on each of the gang's two
-        load.update(choice.homes)
+        load.update(weighed(choice.homes))
         pairs.append(choice.relays)
-    assert load == {"relay-0": 4, "relay-1": 4, "relay-2": 4, "relay-3": 4}
+    assert load == {f"relay-{i}": 4 * HALF for i in range(4)}  # 4 members each
     assert pairs[:2] == [["relay-0", "relay-1"], ["relay-2", "relay-3"]]
 
 
@@ -83,7 +84,7 @@ def test_without_named_relays_members_use_the_first_two_counted_with_every_gang(
     # An agent that does not read named relays: slots into the first two live by name. Gangs
     # with named relays on those two count against them, and the other way round.
     live = relays("relay-0", "relay-1", "relay-2")
-    choice = live.choose(anywhere(3), Counter({"relay-0": 2}), named=False, t=now())
+    choice = live.choose(anywhere(3), Counter({"relay-0": HALF}), named=False, t=now())
     assert choice.relays == [] and choice.slots == [1, 1, 0]
     assert choice.homes == [1, 1, 0]
     named = live.choose(anywhere(2), Counter({0: 1, 1: 4}), named=True, t=now())
@@ -134,6 +135,17 @@ def test_a_relay_of_the_region_class_serves_members_whose_region_has_none() -> N
     # us-east-1 has its own: that first, the region class's as its failover.
     east = live.choose([US_EAST] * 2, Counter(), named=True, t=now())
     assert east.relays == ["relay-a", "relay-c"] and east.homes == ["relay-c", "relay-c"]
+
+
+def test_a_relay_with_few_members_of_small_gangs_is_more_loaded_than_one_with_many_of_large() -> (
+    None
+):
+    # relay-a: two members of a gang of 2 (1 Gbit/s of cap); relay-b: four of a gang of 8
+    # (half that). The next gang homes more on relay-b, though it has more members.
+    live = relays("relay-a", "relay-b")
+    load = weighed(["relay-a", "relay-a"]) + weighed(["relay-b"] * 4 + ["relay-c"] * 4)
+    choice = live.choose(anywhere(4), load, named=True, t=now())
+    assert Counter(choice.homes) == {"relay-b": 3, "relay-a": 1}
 
 
 def test_a_gang_across_regions_gets_a_relay_in_each_and_each_member_homes_in_its_own() -> None:

@@ -1,5 +1,6 @@
 """What `nodus get relays` shows of each relay: live or silent, the members of active Relayed
-gangs homed on it (what the placer balances), and the gangs that name it."""
+gangs homed on it, their shares of their gangs' caps (what the placer balances), and the
+gangs that name it."""
 
 from __future__ import annotations
 
@@ -38,3 +39,5 @@ def test_each_relay_shows_the_members_homed_on_it_and_the_gangs_naming_it() -> N
         ("relay-b", False, 0, []),
         ("relay-c", True, 2, ["acme.a", "acme.b"]),
     ]
+    # Their shares of their gangs' 1 Gbit/s: a third of a's, and all of b's on relay-a.
+    assert [r.cap_mbps for r in loads] == [333 + 1000, 0, 666]
