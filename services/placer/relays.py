@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from operator import mul
 from typing import NamedTuple
 
 from libs.contracts.relay import (
@@ -93,15 +94,11 @@ class LiveRelays:
         `classes`: each provider region's class, as the fleet's machines say."""
         live = self.live(t)
         by_name = [r.name for r in live]
-        region_of = {r.name: r.region for r in live}
         first_two = by_name[:PAIR]
 
         def load_of(name: str) -> int:
             legacy = first_two.index(name) if name in first_two else None
             return load[name] + (load[legacy] if legacy is not None else 0)
-
-        def near(name: str, member: Whereabouts) -> int:
-            return nearness(region_of[name], member, classes or {})
 
         named = (
             named
@@ -118,35 +115,45 @@ class LiveRelays:
             pair = sorted([by_name[0], silent])
             slots = [pair.index(by_name[0])] * len(homed)
             return RelayChoice(pair, slots, [pair[s] for s in slots])
+        # How near each relay is to each place the gang's members are in (a gang is in one or
+        # a few places: this is per place, not per member), and its load, worked out once.
+        places: dict[Whereabouts, int] = {}
+        for member in members:
+            places[member] = places.get(member, 0) + 1
+        weights = list(places.values())
+        known = classes or {}
+        near = {r.name: [nearness(r.region, w, known) for w in places] for r in live}
         if named and len(live) >= PAIR:
             # The relay nearest most members, then the one that brings the rest nearest;
             # among relays equally near, the least loaded (ties by name).
-            def total(name: str) -> int:
-                return sum(near(name, m) for m in members)
+            loads = {n: load_of(n) for n in by_name}
+            total = {n: sum(map(mul, v, weights)) for n, v in near.items()}
+            ranked = sorted(by_name, key=lambda n: (-total[n], loads[n], n))
+            first, second = ranked[0], ranked[1]
+            if len(places) > 1:  # in one place, the nearest leaves nobody nearer elsewhere
+                nearest_first = near[first]
 
-            first = min(by_name, key=lambda n: (-total(n), load_of(n), n))
+                def gained(name: str) -> int:
+                    pairs = zip(near[name], nearest_first, weights, strict=True)
+                    return sum(max(0, a - b) * k for a, b, k in pairs)
 
-            def gained(name: str) -> int:
-                return sum(max(0, near(name, m) - near(first, m)) for m in members)
-
-            second = min(
-                (n for n in by_name if n != first),
-                key=lambda n: (-gained(n), -total(n), load_of(n), n),
-            )
+                second = min(ranked[1:], key=lambda n: (-gained(n), -total[n], loads[n], n))
             pair = sorted([first, second])
-            counts = [load_of(n) for n in pair]
+            counts = [loads[n] for n in pair]
         else:
             pair = []
             counts = [load_of(first_two[i]) if i < len(first_two) else load[i] for i in range(PAIR)]
         slots = []
+        spots = {w: i for i, w in enumerate(places)}
         share = member_share(len(homed)) if homed else 0
         for member in homed:
             # The nearer of the two; equally near, the less loaded (ties: the first).
-            nearest = max(near(n, member) for n in pair) if pair else 0
-            slot = min(
-                (s for s in range(PAIR) if not pair or near(pair[s], member) == nearest),
-                key=lambda s: counts[s],
-            )
+            candidates: Sequence[int] = range(PAIR)
+            if pair:
+                spot = spots[member]
+                nearest = max(near[n][spot] for n in pair)
+                candidates = [s for s in range(PAIR) if near[pair[s]][spot] == nearest]
+            slot = min(candidates, key=lambda s: counts[s])
             counts[slot] += share
             slots.append(slot)
         homes: list[Home] = [pair[s] for s in slots] if pair else list(slots)
