@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.bench.placement_harness import (
+    BENCH_RELAYS,
     Options,
     Processes,
     log,
@@ -175,6 +176,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="placer processes sharing the applies, racing for machines (default 1)",
     )
+    parser.add_argument(
+        "--relays",
+        type=int,
+        default=len(BENCH_RELAYS),
+        help=f"relays announced before the burst (default {len(BENCH_RELAYS)}; 0: none)",
+    )
     parser.add_argument("--keep-dir", action="store_true", help="keep logs and the NATS store")
     parser.add_argument("--serve-echo", metavar="URL", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -195,6 +202,7 @@ def options_from(args: argparse.Namespace) -> Options:
         keep_dir=args.keep_dir,
         quick=quick,
         replicas=max(1, args.replicas),
+        relays=max(0, min(args.relays, len(BENCH_RELAYS))),
     )
 
 

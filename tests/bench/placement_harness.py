@@ -32,8 +32,10 @@ from libs.contracts.base import encode, now
 from libs.contracts.epochs import Epoch, Lease
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeHealth, NodeRecord
-from libs.contracts.jobs import ConditionType, Job, Phase
+from libs.contracts.jobs import ConditionType, Job, PathClass, Phase
+from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS, RelayRecord
 from services.placer.config import load_config
+from services.placer.relays import Whereabouts, nearness
 from tests.bench.placement_report import (
     Burst,
     dist_ms,
@@ -140,6 +142,50 @@ async def serve_echo(url: str) -> None:
 # -- the run -----------------------------------------------------------------------------------
 
 
+# Relays a real deployment has: by region class, and one in the region of the largest
+# container marketplace. Relayed gangs get two each (the nearest, then the least loaded), and
+# Direct gangs a fallback pair: the bench times that choice with the rest of a decision.
+BENCH_RELAYS = [
+    ("relay-us-1", "us"),
+    ("relay-us-2", "us"),
+    ("relay-use2", "us-east-2"),
+    ("relay-eu-1", "eu"),
+    ("relay-eu-2", "eu"),
+    ("relay-ap", "ap"),
+]
+
+
+async def announce_relays(bus: Bus, count: int) -> None:
+    """The relays' heartbeats, fresh for the burst (RELAY_FRESH_SECONDS)."""
+    records = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
+    for index, (name, region) in enumerate(BENCH_RELAYS[:count]):
+        await records.put(
+            name,
+            RelayRecord(
+                name=name,
+                region=region,
+                address=f"198.18.200.{index + 1}:443",
+                public_key="",
+                version="bench",
+                capabilities=[CAPABILITY_EPOCH_RELAYS],
+                heartbeat_time=now(),
+            ),
+        )
+
+
+def homed_near(burst: Burst, fleet: list[NodeRecord], relays: int) -> int:
+    """How many Relayed members home on a relay of their region or region class."""
+    where = {r.inventory.node: r.inventory for r in fleet}
+    regions = dict(BENCH_RELAYS[:relays])
+    classes = {i.region: i.region_class for i in where.values()}
+    return sum(
+        nearness(regions[relay], Whereabouts(where[node].region, where[node].region_class), classes)
+        > 0
+        for node, relay in burst.relay_homes
+        if node in where and relay in regions
+    )
+
+
 @dataclass
 class Options:
     machines: int = 10_000
@@ -154,6 +200,7 @@ class Options:
     keep_dir: bool = False
     quick: bool = False
     replicas: int = 1  # placer processes sharing the applies (the API's queue group)
+    relays: int = len(BENCH_RELAYS)  # relays announced before the burst (0: none)
 
 
 def placer_name(index: int) -> str:
@@ -332,6 +379,14 @@ async def watch_jobs(bus: Bus, burst: Burst, wanted: set[str], done: asyncio.Eve
                 burst.placed_wall[change.key] = job.status.placed_time.timestamp()
             if job.status.gang is not None:
                 burst.paths[change.key] = job.status.gang.transport.value
+                gang = job.status.gang
+                burst.named_relays += bool(gang.relays)
+                if gang.transport is PathClass.RELAYED and gang.relays:
+                    burst.relay_homes += [
+                        (m.node, gang.relays[m.relay_slot])
+                        for m in gang.members
+                        if m.relay_slot is not None
+                    ]
         else:
             ready = job.condition(ConditionType.GANG_READY)
             if ready and ready.status == "False" and ready.reason == "Unschedulable":
@@ -496,6 +551,7 @@ async def measure(
         start["placer_cpu_s_to_view_loaded"] = cpu_now(placers, server)["placer"]
         log(f"placer view loaded {loaded_s:.2f}s after spawn (node watch at {admitted_s:.2f}s)")
 
+        await announce_relays(bus, opts.relays)
         baseline = await measure_baseline(opts, bus, clients, jobs[0])
         result["baseline"] = baseline
         log(
@@ -539,6 +595,7 @@ async def measure(
         cpu_after = cpu_now(placers, server)
         metrics_after = await asyncio.to_thread(scrape_all, metrics_ports)
         result["placement"] = placement_figures(burst, jobs, burst_start, burst_end)
+        result["placement"]["relayed_members_homed_near"] = homed_near(burst, fleet, opts.relays)
         result["placer_internal"] = internal_figures(metrics_before, metrics_after)
         result["cpu_s_during_burst"] = {
             k: None if v is None or (after := cpu_after[k]) is None else round(after - v, 2)

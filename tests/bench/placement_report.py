@@ -118,6 +118,8 @@ class Burst:
     placed_wall: dict[str, float] = field(default_factory=dict)  # status.placedTime
     unschedulable: dict[str, float] = field(default_factory=dict)
     paths: dict[str, str] = field(default_factory=dict)
+    relay_homes: list[tuple[str, str]] = field(default_factory=list)  # Relayed (node, relay)
+    named_relays: int = 0  # gangs given two relays by name (Relayed and Direct)
 
 
 def placement_figures(burst: Burst, jobs: list[Job], start: float, end: float) -> dict[str, Any]:
@@ -146,6 +148,8 @@ def placement_figures(burst: Burst, jobs: list[Job], start: float, end: float) -
         "refused_codes": dict(refused_codes),
         "undecided": len(jobs) - decided,
         "paths": dict(Counter(burst.paths.values())),
+        "gangs_with_named_relays": burst.named_relays,
+        "relayed_members_per_relay": dict(sorted(Counter(r for _, r in burst.relay_homes).items())),
         "machines_leased": sum(j.spec.distributed.members for j in jobs if j.key in placed),
         "wall_s_first_apply_to_last_placed": round(placed_wall, 3),
         "wall_s_first_apply_to_last_decision": round(decision_wall, 3),

@@ -52,6 +52,14 @@ def test_quick_bench_decides_every_job_and_reports_its_figures() -> None:
     assert placement_figures["decisions_per_second"] is not None
     assert result["ratios"]["apply_to_placed_p50_over_nats_rtt_p50"] is not None
 
+    # With the bench's relays announced (one or two in each region class), every Relayed
+    # gang gets two by name, and every member homes on a relay of its region class.
+    homed = sum(placement_figures["relayed_members_per_relay"].values())
+    relayed = placement_figures["paths"].get("relayed", 0)
+    assert placement_figures["gangs_with_named_relays"] >= relayed
+    assert relayed == 0 or homed >= 2 * relayed
+    assert placement_figures["relayed_members_homed_near"] == homed, placement_figures
+
     # The placer counted the same decisions the watch saw, and was stopped cleanly.
     decisions = result["placer_internal"]["decisions"]
     assert decisions["placed"] == placement_figures["placed"]
