@@ -57,6 +57,8 @@ class LocalSystem:
     nats_port: int = names.NATS_PORT
     placers: int = 1
     relays: int = 2
+    # Each relay's --region, in order (default: display names that no machine is in).
+    relay_regions: list[str] = field(default_factory=list)
     probe_seconds: float = 10.0
     heartbeat_seconds: float = 2.0
     placer_config: Path | None = None
@@ -251,7 +253,7 @@ class LocalSystem:
         # In the lab the control namespace is fresh: fixed ports, and STUN for Direct members.
         host = str(CONTROL_ADDRESS) if self.lab is not None else "127.0.0.1"
         ports = [4430 + i if self.lab else free_port() for i in range(self.relays)]
-        regions = ["eu-central", "us-east", "ap-south", "us-west"]
+        regions = self.relay_regions or ["eu-central", "us-east", "ap-south", "us-west"]
         every = ",".join(f"{host}:{p}" for p in ports)  # each skips its own, as on real hosts
         for index, port in enumerate(ports):
             stun = ["--stun-port", str(3478 + index)] if self.lab is not None else []

@@ -60,6 +60,36 @@ def test_two_gangs_on_four_relays_use_two_each(tmp_path: Path) -> None:
         system.stop()
 
 
+def test_members_home_on_the_relay_of_their_region(tmp_path: Path) -> None:
+    # Containers in two regions; a relay in each, and two in regions no machine is in (idle,
+    # so the least loaded). Wherever the placer puts the gangs' members (a gang may span both
+    # regions), each member homes on the relay of its own region.
+    doc = containers("sr", 71, 4)
+    for index, machine in enumerate(doc["machines"]):
+        region, region_class = [("eu-south-1", "eu"), ("us-east-2", "us")][index % 2]
+        machine.update(region=region, regionClass=region_class)
+    system = new_system(tmp_path, doc)
+    system.relays = 4
+    system.relay_regions = ["eu-south-1", "us-east-2", "ap-south-1", "ap-northeast-1"]
+    relay_of = {"eu-south-1": "relay-0", "us-east-2": "relay-1"}
+    region_of = {m["name"]: m["region"] for m in doc["machines"]}
+    try:
+        first = asyncio.run(start_lab(system, "sr", ["sleep", "3600"]))
+        second = asyncio.run(start_lab(system, "ss", ["sleep", "3600"], started=True))
+        for lab in (first, second):
+            homes = {m.node: lab.home_relay(m.node) for m in lab.members}
+            assert homes == {n: relay_of[region_of[n]] for n in homes}, (lab.job_name, homes)
+        shown = json.loads(get_relays(system.url, "-o", "json"))
+        assert {r["name"]: r["members"] for r in shown} == {
+            "relay-0": 2,
+            "relay-1": 2,
+            "relay-2": 0,
+            "relay-3": 0,
+        }, shown
+    finally:
+        system.stop()
+
+
 def test_a_gang_placed_while_a_relay_is_down_fails_over_to_it_once_it_is_back(
     tmp_path: Path,
 ) -> None:
