@@ -39,8 +39,12 @@ def member_share(members: int) -> int:
 
 def weighed(homes: Sequence[Home]) -> Counter[Home]:
     """The load one gang's members put on each relay: each member's share where it homes."""
-    share = member_share(len(homes)) if homes else 0
-    return Counter({home: share * count for home, count in Counter(homes).items()})
+    load: Counter[Home] = Counter()
+    if homes:
+        share = member_share(len(homes))
+        for home in homes:
+            load[home] += share
+    return load
 
 
 def relay_homes(job: Job) -> list[Home]:

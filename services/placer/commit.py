@@ -115,6 +115,7 @@ class Committer:
         self._events: list[tuple[str, JobEvent, str]] = []  # announced, not yet sent
         # Each gang's load on its relays while it is committed (its job does not say so yet).
         self._relaying: dict[str, collections.Counter[Home]] = {}
+        self._committing: collections.Counter[Home] = collections.Counter()  # all of them
 
     async def close(self) -> None:
         await self.events.close()
@@ -211,7 +212,7 @@ class Committer:
             await self._mark_placed(going)
         finally:
             for placement in placements:
-                self._relaying.pop(placement.gang, None)
+                self._committing.subtract(self._relaying.pop(placement.gang, {}))
 
     async def _take_leases(self, placements: list[Placement]) -> None:
         """Every machine's lease, by compare-and-set: two replicas never hold one (R14). A
@@ -332,17 +333,20 @@ class Committer:
         """The gang's two relays, the nearest its members and least loaded, and, if `home`,
         each member's home on them, counting the gangs placed, those being committed now
         (their jobs do not say Placed yet) and this gang's members before it."""
+        earlier = self._relaying.pop(gang, None)  # this gang's attempt that lost a race
+        if earlier:
+            self._committing.subtract(earlier)
         load = self.cache.relay_load(leaving_out=gang)
-        for other, adds in self._relaying.items():
-            if other != gang:
-                load.update(adds)
+        load.update(self._committing)
         named = all(
             CAPABILITY_EPOCH_RELAYS in self.view.records[node].capabilities for node in plan.nodes
         )
         inventories = [self.view.records[node].inventory for node in plan.nodes]
         whereabouts = [Whereabouts(i.region, i.region_class) for i in inventories]
         choice = self.relays.choose(whereabouts, load, named, t, home, self.view.region_classes)
-        self._relaying[gang] = weighed(choice.homes)
+        if choice.homes:
+            self._relaying[gang] = weighed(choice.homes)
+            self._committing.update(self._relaying[gang])
         return choice
 
     async def next_epoch(self, job: Job) -> int:

@@ -26,16 +26,19 @@ class JobCache:
         known = self._jobs.get(job.key)
         if known is None or job.revision > known.revision:
             self._jobs[job.key] = job
-            self._count(job.key, weighed(relay_homes(job.value)))
+            self._count(job.key, relay_homes(job.value))
         return known is None or job.revision >= known.revision
 
     def forget(self, key: str) -> None:
         self._jobs.pop(key, None)
-        self._count(key, Counter())
+        self._count(key, [])
 
-    def _count(self, key: str, load: Counter[Home]) -> None:
-        self._relayed.subtract(self._loads.pop(key, Counter()))
-        if load:
+    def _count(self, key: str, homes: list[Home]) -> None:
+        known = self._loads.pop(key, None)
+        if known:
+            self._relayed.subtract(known)
+        if homes:  # most jobs are not Relayed: nothing to weigh
+            load = weighed(homes)
             self._loads[key] = load
             self._relayed.update(load)
 

@@ -13,6 +13,7 @@ from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.epochs import Epoch
 from libs.contracts.fleet import Machine
+from libs.contracts.jobs import Job
 from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS, RelayRecord
 from services.agent.inventory import capabilities_of
 from tests.conftest import StartPlacer, placed
@@ -35,16 +36,57 @@ def l4_containers(count: int) -> list[Machine]:
     ]
 
 
-async def test_relayed_members_applied_at_once_spread_evenly_across_the_two_relays(
-    bus: Bus, start_placer: StartPlacer
+async def announce(
+    bus: Bus, regions: dict[str, str], silent: dict[str, float] | None = None
 ) -> None:
+    """Relay records as relays write them, `name: region`; each heard from `silent[name]`
+    seconds ago (default: now, a live relay)."""
+    records = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
+    t = now()
+    for index, (name, region) in enumerate(regions.items()):
+        await records.put(
+            name,
+            RelayRecord(
+                name=name,
+                region=region,
+                address=f"127.0.0.1:{4430 + index}",
+                public_key="",
+                version="test",
+                capabilities=["relay-v1", CAPABILITY_EPOCH_RELAYS],
+                heartbeat_time=t - timedelta(seconds=(silent or {}).get(name, 0.0)),
+            ),
+        )
+
+
+async def eight_gangs_at_once(bus: Bus, start_placer: StartPlacer) -> list[Job]:
+    """8 Relayed gangs of 2 applied at once on 16 containers, once placed."""
     await register(bus, [node_record(m) for m in l4_containers(16)])
     await start_placer()
     client = Client(bus)
     spec = {"accelerators": {"model": "L4"}, "distributed": {"members": 2, "transport": "Auto"}}
     names_ = [f"rl-{i}" for i in range(8)]
     await asyncio.gather(*(client.apply(job(name, org="acme", **spec)) for name in names_))
-    gangs = [await placed(bus, f"acme.{name}") for name in names_]
+    return [await placed(bus, f"acme.{name}") for name in names_]
+
+
+async def test_named_relays_spread_evenly_over_gangs_committed_together(
+    bus: Bus, start_placer: StartPlacer
+) -> None:
+    """8 gangs applied at once are planned and committed in one batch: each sees the load of
+    those committed with it, so every one of four relays carries 4 members."""
+    await announce(bus, {f"relay-{i}": "eu" for i in range(4)})
+    homes: Counter[str] = Counter()
+    for placed_job in await eight_gangs_at_once(bus, start_placer):
+        gang = placed_job.status.gang
+        assert gang is not None and len(gang.relays) == 2, gang
+        homes.update(gang.relays[m.relay_slot or 0] for m in gang.members)
+    assert homes == {f"relay-{i}": 4 for i in range(4)}, homes
+
+
+async def test_relayed_members_applied_at_once_spread_evenly_across_the_two_relays(
+    bus: Bus, start_placer: StartPlacer
+) -> None:
+    gangs = await eight_gangs_at_once(bus, start_placer)
     slots = [m.relay_slot for g in gangs if g.status.gang for m in g.status.gang.members]
     assert slots.count(0) == slots.count(1) == 8, slots
     epochs = bus.bucket(names.BUCKET_EPOCHS, Epoch)
@@ -64,22 +106,8 @@ async def test_relayed_gangs_get_the_least_loaded_two_of_every_live_relay(
     least loaded, so every relay carries 4 members and each gang's members split over its two;
     the job and the epoch name the same relays, and a relay whose heartbeat stopped is left
     out. An agent without named relays (older) keeps its gang on the first two by name."""
-    records = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
-    t = now()
-    for index in range(5):
-        await records.put(
-            f"relay-{index}",
-            RelayRecord(
-                name=f"relay-{index}",
-                region="eu",
-                address=f"127.0.0.1:{4430 + index}",
-                public_key="",
-                version="test",
-                capabilities=["relay-v1", CAPABILITY_EPOCH_RELAYS],
-                # relay-4 stopped announcing a minute ago
-                heartbeat_time=t - timedelta(seconds=60 if index == 4 else 0),
-            ),
-        )
+    # relay-4 stopped announcing a minute ago
+    await announce(bus, {f"relay-{i}": "eu" for i in range(5)}, silent={"relay-4": 60.0})
     fleet = l4_containers(18)
     older = [m for m in fleet if m.name in ("vast-16", "vast-17")]
     await register(
@@ -135,20 +163,7 @@ async def test_relayed_gangs_get_relays_of_their_region(
         "relay-eu": "eu",
         "relay-ap": "ap-south-1",
     }
-    records = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
-    for index, (name, region) in enumerate(regions.items()):
-        await records.put(
-            name,
-            RelayRecord(
-                name=name,
-                region=region,
-                address=f"127.0.0.1:{4430 + index}",
-                public_key="",
-                version="test",
-                capabilities=["relay-v1", CAPABILITY_EPOCH_RELAYS],
-                heartbeat_time=now(),
-            ),
-        )
+    await announce(bus, regions)
     where = {"use1": ("us-east-1", "us"), "euw1": ("eu-west-1", "eu"), "usw2": ("us-west-2", "us")}
     fleet = [
         machine(
