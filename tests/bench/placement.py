@@ -57,7 +57,6 @@ from pathlib import Path
 from typing import Any
 
 from tests.bench.placement_harness import (
-    BENCH_RELAYS,
     Options,
     Processes,
     log,
@@ -65,6 +64,7 @@ from tests.bench.placement_harness import (
     placer_name,
     serve_echo,
 )
+from tests.bench.placement_relays import BENCH_RELAYS
 from tests.bench.placement_report import placer_log_summary
 
 
