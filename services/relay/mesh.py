@@ -47,6 +47,11 @@ DIAL_TIMEOUT = 3.0
 class Homed(Protocol):
     """What the mesh needs of its relay."""
 
+    @property
+    def public_key(self) -> bytes:
+        """The relay's own key, in the Challenge it sends every dialler."""
+        ...
+
     def homed(self) -> Iterable[Present]:
         """Every member homed on this relay."""
         ...
@@ -134,17 +139,22 @@ class Mesh:
         homed here, then send presence deltas (via `tell`) and forwarded frames."""
         host, port = split_address(peer.address)
 
+        challenged_by: list[bytes] = []  # the key of the relay that answered
+
         def hello(challenge: Challenge) -> MeshHello:
+            challenged_by.append(challenge.relay_key)
             return MeshHello(self.name, mesh_proof(self.key, challenge.nonce, self.name))
 
         while True:
             conn: Connection | None = None
             try:
                 conn = await open_connection(host, port, DIAL_TIMEOUT, factory=Connection)
+                challenged_by.clear()
                 welcome = await conn.dial(hello)
-                if welcome.relay == self.name:
+                if welcome.relay == self.name and challenged_by == [self.relay.public_key]:
                     # Every relay may be given one list of them all, itself included (one
                     # relay.env for a host's relays): a link to itself would carry nothing.
+                    # Its own key says it is this relay, not another given the same name.
                     log.info("mesh peer %s is this relay: not linked", peer.address)
                     del self.peers[peer.address]
                     return
