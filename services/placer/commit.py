@@ -331,8 +331,8 @@ class Committer:
 
     def _relay_choice(self, gang: str, plan: Plan, t: datetime, home: bool) -> RelayChoice:
         """The gang's two relays, the nearest its members and least loaded, and, if `home`,
-        each member's home on them, counting the gangs placed, those being committed now
-        (their jobs do not say Placed yet) and this gang's members before it."""
+        each member's home on them, counting the gangs placed and those being committed now
+        (their jobs do not say Placed yet), but not this gang's own attempt that lost a race."""
         earlier = self._relaying.pop(gang, None)  # this gang's attempt that lost a race
         if earlier:
             self._committing.subtract(earlier)

@@ -2,15 +2,17 @@
 
 A gang gets relays of its members' region: a relay whose `--region` is a member's region
 (`us-east-1`) is nearest, one of the member's region class next (its region is the class, `us`,
-or a region whose machines are of that class), any other last. Among those equally near, the least loaded of every live relay (its load: the shares of
-their gangs' caps of the members homed on it, over the active gangs, libs/jobs/relays.py), so adding relays adds capacity: one relay process per core of a relay
-host, or more hosts, or more regions. A gang spanning regions gets the relay nearest most of
-its members and the one that brings the rest nearest, each member homed on the nearer of the
-two. Members equally near both spread evenly over them; each fails over to the other. While only one
-relay is live, a gang gets it and the relay heard from last, its members all homed on the live
-one, so that it has a failover once the other is back. A gang whose agents, or a live relay,
-predate named relays gets none (`RelayChoice.relays` empty): its members use the first two
-live relays by name, as before, and the counts still see them."""
+or a region whose machines are of that class), any other last. Among those equally near, the
+least loaded of every live relay (its load: the shares of their gangs' caps of the members
+homed on it, over the active gangs, libs/jobs/relays.py), so adding relays adds capacity: one
+relay process per core of a relay host, or more hosts, or more regions. A gang spanning
+regions gets the relay nearest most of its members and the one that brings the rest nearest,
+each member homed on the nearer of the two. Members equally near both spread evenly over
+them; each fails over to the other. While only one relay is live, a gang gets it and the
+relay heard from last, its members all homed on the live one, so that it has a failover once
+the other is back. A gang whose agents, or a live relay, predate named relays gets none
+(`RelayChoice.relays` empty): its members use the first two live relays by name, as before,
+and the counts still see them."""
 
 from __future__ import annotations
 
