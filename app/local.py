@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,7 +58,8 @@ class LocalSystem:
     nats_port: int = names.NATS_PORT
     placers: int = 1
     relays: int = 2
-    # Each relay's --region, in order (default: display names that no machine is in).
+    # Each relay's --region, in order (default: the fleet's most common region class for
+    # every relay, so gangs spread over them by load, as relays serving a whole class do).
     relay_regions: list[str] = field(default_factory=list)
     probe_seconds: float = 10.0
     heartbeat_seconds: float = 2.0
@@ -244,6 +246,11 @@ class LocalSystem:
             args += ["--config", str(self.placer_config)]
         return self._spawn(f"placer-{index}", args)
 
+    def _main_region_class(self) -> str:
+        """The region class most of the fleet's machines are in (ties: by name)."""
+        classes = Counter(m.region_class for m in self.fleet.machines) if self.fleet else {}
+        return min(classes, key=lambda c: (-classes[c], c)) if classes else "local"
+
     def start_relays(self) -> None:
         """Two (or more) relays meshed with each other, sharing one mesh key."""
         key_file = self.state_dir / "relay-mesh.key"
@@ -253,7 +260,7 @@ class LocalSystem:
         # In the lab the control namespace is fresh: fixed ports, and STUN for Direct members.
         host = str(CONTROL_ADDRESS) if self.lab is not None else "127.0.0.1"
         ports = [4430 + i if self.lab else free_port() for i in range(self.relays)]
-        regions = self.relay_regions or ["eu-central", "us-east", "ap-south", "us-west"]
+        regions = self.relay_regions or [self._main_region_class()]
         every = ",".join(f"{host}:{p}" for p in ports)  # each skips its own, as on real hosts
         for index, port in enumerate(ports):
             stun = ["--stun-port", str(3478 + index)] if self.lab is not None else []

@@ -161,6 +161,13 @@ class LiveRelays:
         homes: list[Home] = [pair[s] for s in slots] if pair else list(slots)
         return RelayChoice(pair, slots, homes)
 
+    def near_no_machine(self, classes: Mapping[str, str], t: datetime) -> list[RelayRecord]:
+        """Live relays whose region is neither a region nor a region class of any registered
+        machine (`classes`: region -> class): near nobody, so used only when nothing nearer
+        is, most likely a mistyped `--region`."""
+        known = set(classes) | set(classes.values())
+        return [r for r in self.live(t) if r.region not in known] if classes else []
+
     def _last_heard_other(self, live: list[RelayRecord], t: datetime) -> str | None:
         """The relay not live whose last heartbeat is the newest, if it was heard within
         SILENT_PARTNER (a relay retired long ago is not dialled for nothing) and

@@ -79,6 +79,7 @@ class Placer:
         self.qualifications = bus.bucket(names.BUCKET_QUALIFICATIONS, Qualification)
         self.cache = JobCache()
         self.relays = LiveRelays()
+        self._far_relays: set[tuple[str, str]] = set()  # relays near no machine, said once
         self.relay_records = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
         self.committer = Committer(bus, config, self.view, self.replica, self.cache, self.relays)
         self.admissions = Coalescing(self.committer.batches)
@@ -292,6 +293,20 @@ class Placer:
                     await self.release_orphans()
                 except Exception as error:  # the next sweep tries again
                     log.warning("sweep of what unfinished commits left failed: %s", error)
+                self._warn_of_far_relays()
+
+    def _warn_of_far_relays(self) -> None:
+        """Say once of each relay (and region) that no machine is near: its region is not
+        one the fleet has, and it is chosen only when no relay is nearer."""
+        for relay in self.relays.near_no_machine(self.view.region_classes, now()):
+            if (relay.name, relay.region) not in self._far_relays:
+                self._far_relays.add((relay.name, relay.region))
+                log.warning(
+                    "relay %s has region %s, which is no region or region class of a "
+                    "registered machine: no gang is near it (a mistyped --region?)",
+                    relay.name,
+                    relay.region,
+                )
 
     def _finished(self, job: Job) -> None:
         """A gang that ended gives its machines back: its epoch is fenced and torn down (the

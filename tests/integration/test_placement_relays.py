@@ -4,8 +4,11 @@ over the least loaded of every live relay, and the nearest their region (G15).""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from datetime import timedelta
+
+import pytest
 
 from libs.bus import Bus
 from libs.client.client import Client
@@ -198,3 +201,17 @@ async def test_relayed_gangs_get_relays_of_their_region(
     assert gangs["euw1"] == (["relay-eu", "relay-euw1"], ["relay-euw1", "relay-euw1"])
     relays, homes = gangs["usw2"]
     assert relays == ["relay-us", "relay-use1"] and set(homes) <= set(relays), gangs
+
+
+async def test_the_placer_warns_once_of_a_relay_near_no_machine(
+    bus: Bus, start_placer: StartPlacer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mistyped --region makes a relay far from every gang: the placer says so, once."""
+    await announce(bus, {"relay-a": "us-east-1", "relay-b": "us-eats-1"})
+    await register(bus, [node_record(m) for m in l4_containers(2)])  # us-east-1, class us
+    placer = await start_placer()
+    caplog.set_level(logging.WARNING, logger="nodus.placer")
+    for _ in range(2):
+        placer._warn_of_far_relays()  # what its sweep does every 15 s
+    said = [r.getMessage() for r in caplog.records if "mistyped" in r.getMessage()]
+    assert len(said) == 1 and "relay-b has region us-eats-1" in said[0], said

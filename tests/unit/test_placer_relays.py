@@ -159,3 +159,10 @@ def test_a_direct_gangs_fallback_pair_is_of_its_region_and_homes_no_one() -> Non
     live = relays("relay-a", "relay-b", "relay-c", regions={"relay-c": "us", "relay-b": "us"})
     choice = live.choose([US_EAST] * 2, Counter(), named=True, t=now(), home=False)
     assert choice.relays == ["relay-b", "relay-c"] and choice.homes == [] == choice.slots
+
+
+def test_a_relay_whose_region_no_machine_has_is_near_no_machine() -> None:
+    live = in_regions({"relay-a": "us", "relay-b": "us-east-1", "relay-c": "us-eats-1"})
+    classes = {"us-east-1": "us", "eu-west-1": "eu"}
+    assert [r.name for r in live.near_no_machine(classes, now())] == ["relay-c"]
+    assert live.near_no_machine({}, now()) == []  # no machine registered yet: nothing to say
