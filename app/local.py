@@ -51,6 +51,12 @@ class Child:
     args: list[str] = field(default_factory=list)  # after `python -m app`
 
 
+def main_region_class(fleet: Fleet | None) -> str:
+    """The region class most of the fleet's machines are in (ties: by name)."""
+    classes = Counter(m.region_class for m in fleet.machines) if fleet else Counter()
+    return min(classes, key=lambda c: (-classes[c], c)) if classes else "local"
+
+
 @dataclass
 class LocalSystem:
     fleet_path: Path = DEFAULT_FLEET
@@ -246,11 +252,6 @@ class LocalSystem:
             args += ["--config", str(self.placer_config)]
         return self._spawn(f"placer-{index}", args)
 
-    def _main_region_class(self) -> str:
-        """The region class most of the fleet's machines are in (ties: by name)."""
-        classes = Counter(m.region_class for m in self.fleet.machines) if self.fleet else {}
-        return min(classes, key=lambda c: (-classes[c], c)) if classes else "local"
-
     def start_relays(self) -> None:
         """Two (or more) relays meshed with each other, sharing one mesh key."""
         key_file = self.state_dir / "relay-mesh.key"
@@ -260,7 +261,7 @@ class LocalSystem:
         # In the lab the control namespace is fresh: fixed ports, and STUN for Direct members.
         host = str(CONTROL_ADDRESS) if self.lab is not None else "127.0.0.1"
         ports = [4430 + i if self.lab else free_port() for i in range(self.relays)]
-        regions = self.relay_regions or [self._main_region_class()]
+        regions = self.relay_regions or [main_region_class(self.fleet)]
         every = ",".join(f"{host}:{p}" for p in ports)  # each skips its own, as on real hosts
         for index, port in enumerate(ports):
             stun = ["--stun-port", str(3478 + index)] if self.lab is not None else []
