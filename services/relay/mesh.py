@@ -85,6 +85,7 @@ class Mesh:
         self.peers = {address: MeshPeer(address) for address in peers}
         # Who is homed on each other relay, as that relay tells us on its link to us.
         self.remote: dict[str, dict[bytes, tuple[str, int]]] = {}
+        self._own_nonces: set[bytes] = set()  # challenges our listener sent our own dials
 
     # -- what the relay asks -------------------------------------------------------------------
 
@@ -143,6 +144,8 @@ class Mesh:
 
         def hello(challenge: Challenge) -> MeshHello:
             challenged_by.append(challenge.relay_key)
+            if challenge.relay_key == self.relay.public_key:
+                self._own_nonces.add(challenge.nonce)  # our listener's: see `inbound`
             return MeshHello(self.name, mesh_proof(self.key, challenge.nonce, self.name))
 
         while True:
@@ -210,8 +213,11 @@ class Mesh:
             await conn.refuse("BadProof", "wrong mesh key")
             return
         conn.send_nowait(Welcome(self.name, self.region, 0))
-        if hello.name == self.name:
-            return  # our own link to ourselves: the Welcome tells it so, and it goes away
+        if nonce in self._own_nonces:
+            # Our own dial, answering our own challenge: the Welcome tells it so and it goes
+            # away. (Another relay given our name is served as any other.)
+            self._own_nonces.discard(nonce)
+            return
         present: dict[bytes, tuple[str, int]] = {}
         self.remote[hello.name] = present
         try:

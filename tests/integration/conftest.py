@@ -34,7 +34,7 @@ MESH_KEY = b"m" * 32
 L4 = {"count": 1, "backend": "cuda", "model": "L4"}
 
 
-async def meshed_relays(bus: Bus) -> list[Relay]:
+async def meshed_relays(bus: Bus, names_: tuple[str, str] = ("relay-0", "relay-1")) -> list[Relay]:
     """Two relays meshed with each other, started; once this returns, each has its link to the
     other up and knows who is homed there. Each is given both addresses, its own included,
     as relays sharing one relay.env are."""
@@ -42,7 +42,7 @@ async def meshed_relays(bus: Bus) -> list[Relay]:
     relays = [
         Relay(
             bus,
-            f"relay-{i}",
+            names_[i],
             ["eu-central", "us-east"][i],
             ("127.0.0.1", ports[i]),
             [f"127.0.0.1:{port}" for port in ports],
