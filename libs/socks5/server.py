@@ -28,13 +28,13 @@ each way), or SocksRejected (malformed input, handshake timeout).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
 import socket
 from collections.abc import Awaitable, Callable
 
 from libs.contracts.socks import SocksClosed, SocksConnected, SocksEvent, SocksRejected
+from libs.runtime.streams import close_stream
 from libs.runtime.tasks import TaskSet
 from libs.socks5.codec import ConnectRequest, Rejected, ReplyCode, ServerCodec
 
@@ -169,14 +169,6 @@ async def splice(
     return up.n, down.n
 
 
-async def _close(writer: asyncio.StreamWriter | None) -> None:
-    if writer is None:
-        return
-    writer.close()
-    with contextlib.suppress(Exception):
-        await writer.wait_closed()
-
-
 class _Handler:
     def __init__(
         self,
@@ -268,7 +260,7 @@ class _Handler:
         finally:
             target.close()
         self.emit(SocksClosed(client, request.host, request.port, up + len(early), down))
-        await _close(target)
+        await close_stream(target)
 
 
 async def serve(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from libs.runtime.streams import close_stream
 from libs.runtime.tasks import TaskSet, handled_by
 from services.agent.probe import CHUNK, U64
 
@@ -54,4 +55,4 @@ class ProbeServer:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
-            writer.close()
+            await close_stream(writer)

@@ -20,6 +20,7 @@ import msgspec
 
 from libs.contracts.dataplane import ControlReply, ControlRequest
 from libs.contracts.errors import ErrorCode, NodusError
+from libs.runtime.streams import close_stream
 from libs.runtime.tasks import TaskSet, handled_by
 
 log = logging.getLogger("nodus.agent.dataplane.control")
@@ -118,7 +119,7 @@ async def serve(path: Path, handler: Handler) -> asyncio.AbstractServer:
         except (TimeoutError, ConnectionError):
             pass
         finally:
-            writer.close()
+            await close_stream(writer)
 
     return await asyncio.start_unix_server(
         handled_by(TaskSet("control request", log), answer), sock=listener
@@ -151,7 +152,7 @@ async def request(path: Path, message: ControlRequest, timeout: float = 5.0) -> 
                         raise ConnectionError("closed before answering")
                     body = buffer.feed(data)
             finally:
-                writer.close()
+                await close_stream(writer)
     except (OSError, TimeoutError, ValueError) as error:
         sock.close()
         raise _refused(path, error) from None

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import WireGuardInfo
+from libs.runtime.streams import close_stream
 from libs.wg.uapi import (
     GET,
     DeviceConfig,
@@ -178,7 +179,7 @@ class Nodus0:
                 data += chunk
             return data
         finally:
-            writer.close()
+            await close_stream(writer)
 
     async def configure(self, config: DeviceConfig) -> None:
         if self.control == "wg":
