@@ -147,3 +147,11 @@ def indented(text: str, prefix: str = "  ") -> list[str]:
 def short(text: str, width: int = 60) -> str:
     """`text` cut to `width` characters, an ellipsis last when cut."""
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def needs_name(args: argparse.Namespace) -> bool:
+    """`nodus get KIND` of one thing without its NAME: said, and True."""
+    if args.name:
+        return False
+    print(f"error: `nodus get {args.kind}` needs a NAME", file=sys.stderr)
+    return True

@@ -22,6 +22,7 @@ from app.cli.common import (
     client_flags,
     emit,
     indented,
+    needs_name,
     output_flag,
     render,
     run_async,
@@ -128,13 +129,6 @@ def _node_document(record: NodeRecord, health: NodeHealth | None, gang: str | No
     }
 
 
-def _needs_name(args: argparse.Namespace) -> bool:
-    if args.name:
-        return False
-    print(f"error: `nodus get {args.kind}` needs a NAME", file=sys.stderr)
-    return True
-
-
 async def _get_jobs(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         jobs = await client.list_jobs()
@@ -144,7 +138,7 @@ async def _get_jobs(args: argparse.Namespace) -> int:
 
 
 async def _get_job(args: argparse.Namespace) -> int:
-    if _needs_name(args):
+    if needs_name(args):
         return 2
     async with _client(args) as client:
         if args.watch:
@@ -160,7 +154,7 @@ async def _get_job(args: argparse.Namespace) -> int:
 
 async def _get_nodes(args: argparse.Namespace) -> int:
     one = args.kind == "node"
-    if one and _needs_name(args):
+    if one and needs_name(args):
         return 2
     async with _client(args) as client:
         nodes: list[NodeView] = await client.list_nodes()

@@ -9,7 +9,7 @@ import sys
 
 import msgspec
 
-from app.cli.common import Kind, age, emit
+from app.cli.common import Kind, age, emit, needs_name
 from app.output import table
 from libs.client.client import Client
 from libs.contracts.relay import RelayLoad
@@ -33,8 +33,7 @@ def _row(relay: RelayLoad) -> list[str]:
 
 async def _get_relays(args: argparse.Namespace) -> int:
     one = args.kind == "relay"
-    if one and not args.name:
-        print("error: `nodus get relay` needs a NAME", file=sys.stderr)
+    if one and needs_name(args):
         return 2
     client = await Client.connect(args.nats, args.credentials)
     try:

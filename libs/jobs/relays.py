@@ -80,11 +80,11 @@ def relay_loads(
     gangs: dict[str, list[str]] = {r.name: [] for r in relays}
     for job in jobs:
         homes = relay_homes(job)
-        for home, units in weighed(homes).items():
+        for home in homes:
             if _known(home, first_two):
                 name = home if isinstance(home, str) else first_two[home]
-                members[name] += units // member_share(len(homes))
-                load[name] += units
+                members[name] += 1
+                load[name] += member_share(len(homes))
         gang = job.status.gang
         if job.status.phase not in ACTIVE or gang is None or gang.transport is PathClass.PRIVATE:
             continue

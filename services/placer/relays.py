@@ -25,11 +25,10 @@ from typing import NamedTuple
 
 from libs.contracts.relay import (
     CAPABILITY_EPOCH_RELAYS,
-    RELAY_FRESH_SECONDS,
     RELAYS_PER_MEMBER,
     RelayRecord,
 )
-from libs.jobs.relays import Home, member_share
+from libs.jobs.relays import Home, is_live, member_share
 
 PAIR = RELAYS_PER_MEMBER  # relays per gang (G15): a member's home and its failover
 # A relay silent for less than this may be the failover of a gang placed while it is down
@@ -63,9 +62,8 @@ class RelayChoice:
 class LiveRelays:
     """The relays' own records (their heartbeats), as the relays bucket's watch says."""
 
-    def __init__(self, fresh_seconds: float = RELAY_FRESH_SECONDS) -> None:
+    def __init__(self) -> None:
         self.records: dict[str, RelayRecord] = {}
-        self._fresh = timedelta(seconds=fresh_seconds)
 
     def set(self, name: str, record: RelayRecord | None) -> None:
         if record is None:
@@ -76,7 +74,7 @@ class LiveRelays:
     def live(self, t: datetime) -> list[RelayRecord]:
         """The relays whose heartbeat is fresh, by name (what an agent picks from, too)."""
         return sorted(
-            (r for r in self.records.values() if t - r.heartbeat_time < self._fresh),
+            (r for r in self.records.values() if is_live(r, t)),
             key=lambda r: r.name,
         )
 

@@ -67,6 +67,10 @@ class Homed(Protocol):
         ...
 
 
+class _ThisRelay(Exception):
+    """A mesh dial reached this very relay (its own key in the Challenge)."""
+
+
 @dataclass
 class MeshPeer:
     """Our outbound link to another relay: we forward to it and tell it who is homed here."""
@@ -85,7 +89,6 @@ class Mesh:
         self.peers = {address: MeshPeer(address) for address in peers}
         # Who is homed on each other relay, as that relay tells us on its link to us.
         self.remote: dict[str, dict[bytes, tuple[str, int]]] = {}
-        self._own_nonces: set[bytes] = set()  # challenges our listener sent our own dials
 
     # -- what the relay asks -------------------------------------------------------------------
 
@@ -140,27 +143,20 @@ class Mesh:
         homed here, then send presence deltas (via `tell`) and forwarded frames."""
         host, port = split_address(peer.address)
 
-        challenged_by: list[bytes] = []  # the key of the relay that answered
-
         def hello(challenge: Challenge) -> MeshHello:
-            challenged_by.append(challenge.relay_key)
             if challenge.relay_key == self.relay.public_key:
-                self._own_nonces.add(challenge.nonce)  # our listener's: see `inbound`
+                # Every relay may be given one list of them all, itself included (one
+                # relay.env for a host's relays): its own key, not its name (another relay
+                # may be given the same), says this is itself. No hello: the listener's side
+                # sees the connection end before one and drops it, as any half-open dial.
+                raise _ThisRelay
             return MeshHello(self.name, mesh_proof(self.key, challenge.nonce, self.name))
 
         while True:
             conn: Connection | None = None
             try:
                 conn = await open_connection(host, port, DIAL_TIMEOUT, factory=Connection)
-                challenged_by.clear()
                 welcome = await conn.dial(hello)
-                if welcome.relay == self.name and challenged_by == [self.relay.public_key]:
-                    # Every relay may be given one list of them all, itself included (one
-                    # relay.env for a host's relays): a link to itself would carry nothing.
-                    # Its own key says it is this relay, not another given the same name.
-                    log.info("mesh peer %s is this relay: not linked", peer.address)
-                    del self.peers[peer.address]
-                    return
                 peer.name = welcome.relay
                 peer.conn = conn
                 self._count()
@@ -175,6 +171,10 @@ class Mesh:
                     pinger.cancel()
             except asyncio.CancelledError:
                 raise
+            except _ThisRelay:
+                log.info("mesh peer %s is this relay: not linked", peer.address)
+                del self.peers[peer.address]
+                return
             except HandshakeRefused as refused:
                 log.warning("mesh peer %s refused us: %s", peer.address, refused)
             except (OSError, TimeoutError, FrameError) as error:
@@ -213,11 +213,6 @@ class Mesh:
             await conn.refuse("BadProof", "wrong mesh key")
             return
         conn.send_nowait(Welcome(self.name, self.region, 0))
-        if nonce in self._own_nonces:
-            # Our own dial, answering our own challenge: the Welcome tells it so and it goes
-            # away. (Another relay given our name is served as any other.)
-            self._own_nonces.discard(nonce)
-            return
         present: dict[bytes, tuple[str, int]] = {}
         self.remote[hello.name] = present
         try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import timedelta
 
 from libs.bus import Bus, Versioned
 from libs.contracts import names
@@ -15,11 +14,11 @@ from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.relay import (
     CAPABILITY_USAGE_TOTALS,
-    RELAY_FRESH_SECONDS,
     RELAYS_PER_MEMBER,
     Member,
     RelayRecord,
 )
+from libs.jobs.relays import is_live
 from libs.runtime.tasks import cancel_and_wait
 from libs.wg import key_from_base64
 from services.agent.introductions import introduced_peer
@@ -29,11 +28,9 @@ from services.agent.relayed.wgdevice import WgDevice
 
 log = logging.getLogger("nodus.agent.member")
 
-RELAY_FRESH = timedelta(seconds=RELAY_FRESH_SECONDS)
-
 
 def _fresh(record: RelayRecord) -> bool:
-    return now() - record.heartbeat_time < RELAY_FRESH
+    return is_live(record, now())
 
 
 def _live(records: dict[str, Versioned[RelayRecord]]) -> list[RelayRecord]:
