@@ -279,6 +279,10 @@ class LocalSystem:
                     every,
                     "--mesh-key-file",
                     str(key_file.resolve()),
+                    # Kept across restarts, as a deployed relay's is: a relay started again
+                    # holds its name at once (services/relay/announce.py).
+                    "--key-file",
+                    str((self.state_dir / "relays" / f"relay-{index}.key").resolve()),
                     "--usage-journal",
                     str((self.state_dir / "relays" / f"relay-{index}.usage").resolve()),
                     *stun,

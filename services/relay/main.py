@@ -86,13 +86,23 @@ def _read_secret(path: Path, what: str, size: int | None = None) -> bytes:
     return data
 
 
+def _create_key(path: Path) -> None:
+    """A new private key, readable by the relay alone from its first byte."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as error:
+        raise NodusError(ErrorCode.INVALID, f"relay key {path}: {error.strerror}") from None
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(os.urandom(32))
+
+
 async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
     mesh_key = _read_secret(args.mesh_key_file, "mesh key")
     private_key = None
     if args.key_file:
         if not args.key_file.exists():
-            args.key_file.write_bytes(os.urandom(32))
-            args.key_file.chmod(0o600)
+            _create_key(args.key_file)
         private_key = _read_secret(args.key_file, "relay key", 32)
     host, port = split_address(args.listen)
     bus = await Bus.open(
@@ -123,7 +133,10 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         ) from None
     try:
         await relay.start()
+        relay.failed.add_done_callback(lambda _: stop.set())
         await stop.wait()
+        if relay.failed.done():
+            relay.failed.result()  # raises: another relay took this relay's name
     finally:
         await relay.stop()
         await bus.close()

@@ -44,6 +44,7 @@ from libs.relayproto.connection import DEAD_AFTER, Connection, Offered, serve
 from libs.runtime.tasks import TaskSet
 from libs.runtime.version import VERSION
 from libs.wg.messages import carried_bytes
+from services.relay.announce import Announcer, NameTaken
 from services.relay.billing import UsageMeter
 from services.relay.buckets import TokenBucket
 from services.relay.membership import Identity, Membership
@@ -116,7 +117,11 @@ class Relay:
         self.meter = UsageMeter(bus, name, usage_journal)
         self.sessions: dict[bytes, MemberSession] = {}
         self.mesh = Mesh(name, region, mesh_key, mesh_with, self)
-        self.relays = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
+        self.announcer = Announcer(
+            bus.bucket(names.BUCKET_RELAYS, RelayRecord), name, _b64(self.public_key), self._record
+        )
+        # Set with the error that stops a running relay: another relay took its name.
+        self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.server: asyncio.Server | None = None
         self._tasks = TaskSet("relay", log)  # the relay's own loops
         self._handlers = TaskSet("relay connection", log)  # one per accepted connection
@@ -137,6 +142,9 @@ class Relay:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Claim the name, serve, announce: NameTaken while another live relay holds the name
+        (or took it in a race with this one; `stop` then closes what started)."""
+        await self.announcer.claim()
         await self.membership.start()
         self.membership.on_fence.append(self._fence)
         self.server = await serve(
@@ -147,6 +155,7 @@ class Relay:
         if self.stun is not None:
             await self.stun.start()
         self._tasks.spawn(self.meter.run(), name="usage meter")
+        await self.announcer.first()
         self._tasks.spawn(self._announce(), name="announce")
         self._tasks.spawn(self._sweep_silent(), name="sweep silent members")
         self._tasks.spawn(self.mesh.run(), name="mesh links")
@@ -166,28 +175,25 @@ class Relay:
         self.meter.close()
         await self.membership.stop()
 
+    def _record(self) -> RelayRecord:
+        return RelayRecord(
+            name=self.name,
+            region=self.region,
+            address=self.address,
+            public_key=_b64(self.public_key),
+            version=VERSION,
+            capabilities=["relay-v1", "mesh-v1", CAPABILITY_USAGE_TOTALS, CAPABILITY_EPOCH_RELAYS],
+            heartbeat_time=now(),
+            stun_address=self.stun_address,
+        )
+
     async def _announce(self) -> None:
-        while True:
-            record = RelayRecord(
-                name=self.name,
-                region=self.region,
-                address=self.address,
-                public_key=_b64(self.public_key),
-                version=VERSION,
-                capabilities=[
-                    "relay-v1",
-                    "mesh-v1",
-                    CAPABILITY_USAGE_TOTALS,
-                    CAPABILITY_EPOCH_RELAYS,
-                ],
-                heartbeat_time=now(),
-                stun_address=self.stun_address,
-            )
-            try:
-                await self.relays.put(self.name, record)
-            except Exception as error:  # the bus reconnects; keep announcing
-                log.warning("announce failed: %s", error)
-            await asyncio.sleep(2.0)
+        try:
+            await self.announcer.run()
+        except NameTaken as error:
+            log.error("stopping: %s", error)
+            if not self.failed.done():
+                self.failed.set_exception(error)
 
     # -- connections ---------------------------------------------------------------------------
 

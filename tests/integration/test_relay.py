@@ -23,7 +23,6 @@ from tests.integration.conftest import (
     counted,
     enrol,
     known,
-    meshed_relays,
     metric,
     wg_shaped,
 )
@@ -75,20 +74,6 @@ async def test_a_relay_given_its_own_address_to_mesh_with_links_only_to_the_othe
             assert [p.name for p in relay.mesh.peers.values()] == [other.name]
             assert set(relay.mesh.remote) == {other.name}
         await asyncio.sleep(RECONNECT_DELAY * 2)
-
-
-async def test_two_relays_given_one_name_still_link_to_each_other(bus: Bus) -> None:
-    # A misconfiguration (two hosts with one hostname), but not one that should cut the mesh:
-    # each tells itself from the other by its key.
-    relays = await meshed_relays(bus, ("relay-x", "relay-x"))
-    try:
-        for relay in relays:
-            linked = [p for p in relay.mesh.peers.values() if p.conn is not None]
-            assert [p.name for p in linked] == ["relay-x"], relay.mesh.peers
-            assert list(relay.mesh.remote) == ["relay-x"]
-    finally:
-        for relay in relays:
-            await relay.stop()
 
 
 async def test_nobody_outside_the_gang_epoch_gets_through(
