@@ -26,6 +26,9 @@ class DataplaneSpec(Record):
     node: str
     socks_listen: str = ""  # relayed: host:port of the SOCKS5 entry the shim dials
     underlay: str | None = None  # direct: the machine's own address, where ICE gathers
+    # The machine's region and class: without the gang's relays, the nearest live ones.
+    region: str = ""
+    region_class: str = ""
 
 
 class EpochState(Record):

@@ -8,8 +8,9 @@ member of a 2-member gang may send four times what one of an 8-member gang may."
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from libs.contracts.bounds import RELAY_GANG_BITS_PER_SECOND
 from libs.contracts.jobs import MAX_MEMBERS, Job, PathClass
@@ -62,9 +63,35 @@ def relay_homes(job: Job) -> list[Home]:
     return [m.relay_slot % RELAYS_PER_MEMBER for m in gang.members if m.relay_slot is not None]
 
 
+class Whereabouts(NamedTuple):
+    """Where a member's machine is (its inventory): the provider region and region class."""
+
+    region: str
+    region_class: str
+
+
+def nearness(relay_region: str, member: Whereabouts, classes: Mapping[str, str]) -> int:
+    """2: the relay is in the member's region; 1: in its region class (`classes`: each
+    region's class, as the fleet's machines say); 0: elsewhere."""
+    if relay_region == member.region:
+        return 2
+    in_class = member.region_class in (relay_region, classes.get(relay_region))
+    return 1 if in_class else 0
+
+
+def nearest_first(records: Iterable[RelayRecord], member: Whereabouts) -> list[RelayRecord]:
+    """Relays nearest `member` first, then by name: what a member falls back on without the
+    placer's choice. It knows its own region and class, not the fleet's (a relay in another
+    region of its class counts as far unless its region is the class)."""
+    return sorted(records, key=lambda r: (-nearness(r.region, member, {}), r.name))
+
+
+_FRESH = timedelta(seconds=RELAY_FRESH_SECONDS)
+
+
 def is_live(record: RelayRecord, t: datetime) -> bool:
     """Heard from within RELAY_FRESH_SECONDS: members and the placer pick from these."""
-    return t - record.heartbeat_time < timedelta(seconds=RELAY_FRESH_SECONDS)
+    return t - record.heartbeat_time < _FRESH
 
 
 def relay_loads(

@@ -137,7 +137,15 @@ class Agent:
         # An agent without a state directory cannot start again on the same boot: nothing
         # of its epochs is kept.
         self.store = EpochStore(state_dir) if state_dir is not None else None
-        host = Host(self.node, self.inventory.address, self.socks_endpoint, self.nodus0, port_rules)
+        host = Host(
+            self.node,
+            self.inventory.address,
+            self.socks_endpoint,
+            self.nodus0,
+            port_rules,
+            self.inventory.region,
+            self.inventory.region_class,
+        )
         self.epochs = LocalEpochs(
             bus,
             host,

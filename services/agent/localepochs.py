@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from prometheus_client import Counter
 
 from libs.bus import Bus
@@ -67,6 +68,8 @@ class Host:
     socks_endpoint: str  # the shim's SOCKS5 entry (Relayed)
     nodus0: bool  # Direct epochs get a nodus0 device here
     port_rules: bool  # on a private network: its rules are the agent's (G22)
+    region: str = ""
+    region_class: str = ""
 
 
 class LocalEpochs:
@@ -100,11 +103,14 @@ class LocalEpochs:
         """On the Relayed path: the tunnel through the relays and the SOCKS5 entry (G14); on
         the Direct path: nodus0 and ICE with every peer (G7, G11). The Private path's port
         rules are kernel state the agent writes itself (G22)."""
-        node = self.host.node
+        host = self.host
+        spec = DataplaneSpec(
+            kind="relayed", node=host.node, region=host.region, region_class=host.region_class
+        )
         if epoch.path is PathClass.RELAYED:
-            return DataplaneSpec(kind="relayed", node=node, socks_listen=self.host.socks_endpoint)
-        if epoch.path is PathClass.DIRECT and self.host.nodus0:
-            return DataplaneSpec(kind="direct", node=node, underlay=self.host.underlay)
+            return msgspec.structs.replace(spec, socks_listen=host.socks_endpoint)
+        if epoch.path is PathClass.DIRECT and host.nodus0:
+            return msgspec.structs.replace(spec, kind="direct", underlay=host.underlay)
         return None
 
     def port_rules(self, epoch: Epoch) -> PortRules:

@@ -37,7 +37,7 @@ from libs.contracts.jobs import Estimate, GangMember, GangStatus, Job, JobEvent,
 from libs.contracts.placer import PlacerConfig
 from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS
 from libs.jobs import lifecycle
-from libs.jobs.relays import Home, weighed
+from libs.jobs.relays import Home, Whereabouts, weighed
 from libs.jobs.store import event_message
 from libs.mesh import MeshIdentity
 from libs.runtime.tasks import TaskSet
@@ -46,7 +46,7 @@ from services.placer.environment import device_names, rank_environments
 from services.placer.invariants import check_plan
 from services.placer.jobcache import JobCache
 from services.placer.planner import Exclusions, Plan
-from services.placer.relays import LiveRelays, RelayChoice, Whereabouts
+from services.placer.relays import LiveRelays, RelayChoice
 
 log = logging.getLogger("nodus.placer")
 

@@ -21,35 +21,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from operator import mul
-from typing import NamedTuple
 
 from libs.contracts.relay import (
     CAPABILITY_EPOCH_RELAYS,
     RELAYS_PER_MEMBER,
     RelayRecord,
 )
-from libs.jobs.relays import Home, is_live, member_share
+from libs.jobs.relays import Home, Whereabouts, is_live, member_share, nearness
 
 PAIR = RELAYS_PER_MEMBER  # relays per gang (G15): a member's home and its failover
 # A relay silent for less than this may be the failover of a gang placed while it is down
 # (a restart, a maintenance): it is likely to come back.
 SILENT_PARTNER = timedelta(minutes=10)
-
-
-class Whereabouts(NamedTuple):
-    """Where a member's machine is (its inventory): the provider region and region class."""
-
-    region: str
-    region_class: str
-
-
-def nearness(relay_region: str, member: Whereabouts, classes: Mapping[str, str]) -> int:
-    """2: the relay is in the member's region; 1: in its region class (`classes`: each
-    region's class, as the fleet's machines say); 0: elsewhere."""
-    if relay_region == member.region:
-        return 2
-    in_class = member.region_class in (relay_region, classes.get(relay_region))
-    return 1 if in_class else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.fleet import NodeRecord
 from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS, RelayRecord
-from services.placer.relays import Whereabouts, nearness
+from libs.jobs.relays import Whereabouts, nearness
 from tests.bench.placement_report import Burst
 
 # Relays a real deployment has: by region class, and one in the region of the largest

@@ -7,6 +7,7 @@ import stat
 from datetime import timedelta
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from libs.contracts.base import now
@@ -21,6 +22,7 @@ from libs.contracts.dataplane import (
 from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.jobs import PathClass
 from libs.contracts.lifecycle import JoinedEpoch
+from libs.jobs.relays import Whereabouts
 from services.agent.dataplane.control import (
     MAX_FRAME,
     FrameBuffer,
@@ -29,7 +31,9 @@ from services.agent.dataplane.control import (
     frame,
     reachable,
 )
+from services.agent.dataplane.inline import InlineDataplane
 from services.agent.dataplane.store import EpochStore
+from services.agent.localepochs import Host, LocalEpochs
 
 
 def test_frames_arrive_whole_however_the_bytes_are_cut() -> None:
@@ -106,3 +110,17 @@ def test_an_unreadable_epoch_is_dropped_not_fatal(tmp_path: Path) -> None:
     (broken / "state.json").write_text("{not json")
     assert [s.state.key for s in store.load_all()] == ["vast-a.acme.rl.1"]
     assert not broken.exists()
+
+
+async def test_an_epochs_dataplane_knows_where_its_machine_is() -> None:
+    # Without the gang's relays its member falls back on the nearest (pick_relays).
+    host = Host("vast-a", "127.0.1.1", "127.0.0.1:1080", False, False, "eu-west-1", "eu")
+
+    async def report(key: str, why: str | None) -> None: ...
+
+    epochs = LocalEpochs(None, host, None, None, str, lambda e: e.members[0], report)  # type: ignore[arg-type]
+    state = _state("vast-a.acme.rl.1")
+    spec = epochs.spec(state.epoch)
+    assert spec is not None and (spec.region, spec.region_class) == ("eu-west-1", "eu")
+    built = InlineDataplane.build(None, msgspec.structs.replace(state, dataplane=spec), b"k" * 32)  # type: ignore[arg-type]
+    assert built.runtime.where == Whereabouts("eu-west-1", "eu")

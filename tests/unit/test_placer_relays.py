@@ -10,8 +10,8 @@ from datetime import timedelta
 
 from libs.contracts.base import now
 from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS, RelayRecord
-from libs.jobs.relays import SHARE_UNITS, Home, weighed
-from services.placer.relays import LiveRelays, Whereabouts
+from libs.jobs.relays import SHARE_UNITS, Home, Whereabouts, weighed
+from services.placer.relays import LiveRelays
 
 HALF = SHARE_UNITS // 2  # one member of a gang of 2
 US_EAST = Whereabouts("us-east-1", "us")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from libs.bus import Bus
 from libs.contracts.dataplane import EpochState
 from libs.contracts.errors import ErrorCode, NodusError
+from libs.jobs.relays import Whereabouts
 from services.agent.direct.member import FIRST_ROUND_WAIT, DirectMember
 from services.agent.relayed.member import RelayedMember
 
@@ -26,10 +27,11 @@ class InlineDataplane:
         )
         if spec is None or member is None:
             raise NodusError(ErrorCode.INVALID, f"{state.key}: no dataplane for this member")
+        where = Whereabouts(spec.region, spec.region_class)
         if spec.kind == "direct":
-            return cls(DirectMember(bus, state.epoch, member, wg_private, underlay=spec.underlay))
+            return cls(DirectMember(bus, state.epoch, member, wg_private, spec.underlay, where))
         host, _, port = spec.socks_listen.rpartition(":")
-        return cls(RelayedMember(bus, state.epoch, member, wg_private, (host, int(port))))
+        return cls(RelayedMember(bus, state.epoch, member, wg_private, (host, int(port)), where))
 
     @property
     def kind(self) -> str:

@@ -31,6 +31,7 @@ from libs.contracts.base import now
 from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.relay import IceOffer, Member, MemberPaths, PathHeartbeat
+from libs.jobs.relays import Whereabouts, nearest_first
 from libs.runtime.tasks import TaskSet
 from libs.wg import key_from_base64, public_key
 from libs.wg.uapi import DeviceConfig, PeerConfig, UapiError
@@ -41,7 +42,7 @@ from services.agent.direct.nodus0 import Nodus0
 from services.agent.direct.pairpath import HEARTBEAT_INTERVAL, PairPath
 from services.agent.direct.wgport import Mapping, PortMap
 from services.agent.introductions import introduced_peer
-from services.agent.relayed.member import live_relays
+from services.agent.relayed.member import NOWHERE, live_relays
 
 log = logging.getLogger("nodus.agent.direct")
 
@@ -104,8 +105,10 @@ class DirectMember:
         member: EpochMember,
         wg_private: bytes,
         underlay: str | None = None,
+        where: Whereabouts = NOWHERE,
     ) -> None:
         self.bus = bus
+        self.where = where
         self.epoch = epoch
         self.member = member
         self.wg_private = wg_private
@@ -173,8 +176,10 @@ class DirectMember:
 
     async def start(self) -> None:
         relays = await live_relays(self.bus)
-        # The gang's two relays when the placer named them, else the first two live by name.
-        relays = [r for r in relays if r.name in self.epoch.relays] or relays
+        # The gang's two relays when the placer named them, else the two live nearest.
+        relays = [r for r in relays if r.name in self.epoch.relays] or nearest_first(
+            relays, self.where
+        )
         self._stun = next((_split(r.stun_address) for r in relays if r.stun_address), None)
         await self.device.create(self.member.address, MESH_PREFIX)
         await self.device.configure(

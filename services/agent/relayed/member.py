@@ -18,7 +18,7 @@ from libs.contracts.relay import (
     Member,
     RelayRecord,
 )
-from libs.jobs.relays import is_live
+from libs.jobs.relays import Whereabouts, is_live, nearest_first
 from libs.runtime.tasks import cancel_and_wait
 from libs.wg import key_from_base64
 from services.agent.introductions import introduced_peer
@@ -27,6 +27,9 @@ from services.agent.relayed.tunnel import Tunnel
 from services.agent.relayed.wgdevice import WgDevice
 
 log = logging.getLogger("nodus.agent.member")
+
+
+NOWHERE = Whereabouts("", "")  # a member that does not say where it is: relays by name
 
 
 def _fresh(record: RelayRecord) -> bool:
@@ -42,10 +45,13 @@ async def live_relays(bus: Bus) -> list[RelayRecord]:
     return _live(await bus.bucket(names.BUCKET_RELAYS, RelayRecord).snapshot())
 
 
-async def pick_relays(bus: Bus, named: list[str], wait: float = 30.0) -> list[RelayRecord]:
+async def pick_relays(
+    bus: Bus, named: list[str], where: Whereabouts = NOWHERE, wait: float = 30.0
+) -> list[RelayRecord]:
     """The gang's relays (`named`, the placer's choice, in its order) once one of them is
-    live; without names, or when neither is live within `wait`, the first two live relays by
-    name (every relay reaches every other in one hop, so any two carry the gang)."""
+    live; without names, or when neither is live within `wait`, the two live relays nearest
+    the member (`where`), by name among equals (every relay reaches every other in one hop,
+    so any two carry the gang)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
     while True:
@@ -53,7 +59,7 @@ async def pick_relays(bus: Bus, named: list[str], wait: float = 30.0) -> list[Re
         chosen = [records[name].value for name in named if name in records]
         if any(_fresh(r) for r in chosen):
             return chosen
-        live = _live(records)
+        live = nearest_first(_live(records), where)
         late = loop.time() > deadline
         if live and (not named or late):
             if named:
@@ -79,8 +85,10 @@ class RelayedMember:
         member: EpochMember,
         wg_private: bytes,
         socks_listen: tuple[str, int],
+        where: Whereabouts = NOWHERE,
     ) -> None:
         self.bus = bus
+        self.where = where
         self.epoch = epoch
         self.member = member
         self.wg_private = wg_private
@@ -90,7 +98,7 @@ class RelayedMember:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        picked = await pick_relays(self.bus, self.epoch.relays)
+        picked = await pick_relays(self.bus, self.epoch.relays, self.where)
         slot = self.member.relay_slot % len(picked)
         picked = picked[slot:] + picked[:slot]  # home first (the placer's choice), then failover
         device = WgDevice(self.wg_private)
