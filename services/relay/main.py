@@ -73,8 +73,12 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_secret(path: Path, what: str, size: int | None = None) -> bytes:
+    """A text secret (surrounding whitespace dropped), or exactly `size` raw bytes, kept whole:
+    a random key may begin or end with a byte that looks like whitespace."""
     try:
-        data = path.read_bytes().strip()
+        data = path.read_bytes()
+        if size is None:
+            data = data.strip()
     except OSError as error:
         raise NodusError(ErrorCode.INVALID, f"{what} {path}: {error.strerror}") from None
     if size is not None and len(data) != size:
