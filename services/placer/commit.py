@@ -218,9 +218,10 @@ class Committer:
         """Every machine's lease, by compare-and-set: two replicas never hold one (R14). A
         gang that misses one gives back the others and plans again."""
         batch = self.batches.batch()
-        slots = [
-            [batch.create(self.leases, node, p.lease) for node in p.plan.nodes] for p in placements
-        ]
+        slots = []
+        for p in placements:
+            lease = encode(p.lease)  # one record for every machine of the gang
+            slots.append([batch.create_encoded(self.leases, node, lease) for node in p.plan.nodes])
         revisions = await batch.send()
         lost: list[Placement] = []
         for placement, indexes in zip(placements, slots, strict=True):
