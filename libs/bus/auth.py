@@ -176,6 +176,7 @@ def relay_permissions(relay: str) -> dict[str, Any]:
         f"$JS.API.STREAM.INFO.{names.USAGE_STREAM}",
         f"$JS.API.STREAM.INFO.{names.EVENTS_STREAM}",
         names.relay_usage(relay),
+        "$SYS.REQ.USER.INFO",  # which relay it is: one given another's seed says so at start
     ]
     return {
         "publish": {"allow": publish},
@@ -198,6 +199,22 @@ def detector_of(user_info: dict[str, Any]) -> str | None:
         if isinstance(subject, str) and subject.startswith(prefix):
             return subject[len(prefix) :]
     return None
+
+
+def relay_of(user_info: dict[str, Any]) -> str | None:
+    """The relay a bus user is, from the server's `$SYS.REQ.USER.INFO` answer: the name whose
+    usage it may publish. None for a user the server does not confine (an operator) or one
+    that is no relay."""
+    allowed = ((user_info.get("permissions") or {}).get("publish") or {}).get("allow") or []
+    for subject in allowed:
+        if isinstance(subject, str) and subject.startswith(names.USAGE_PREFIX):
+            return subject[len(names.USAGE_PREFIX) :].removesuffix(".>")
+    return None
+
+
+def confined(user_info: dict[str, Any]) -> bool:
+    """The server holds this user to a set of subjects (every identity but an operator's)."""
+    return bool(user_info.get("permissions"))
 
 
 def detector_permissions(detector: str) -> dict[str, Any]:

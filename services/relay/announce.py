@@ -16,6 +16,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from libs.bus import Bus
+from libs.bus.auth import confined, relay_of
 from libs.bus.kv import Bucket
 from libs.contracts.base import now
 from libs.contracts.errors import ErrorCode, NodusError
@@ -27,6 +29,27 @@ log = logging.getLogger("nodus.relay.announce")
 ANNOUNCE_EVERY = 2.0  # seconds between heartbeats (a record is live for RELAY_FRESH_SECONDS)
 CLAIM_WAIT = 2.5 * ANNOUNCE_EVERY
 CLAIM_POLL = 0.5
+WHO_AM_I_WAIT = 1.0  # a bus whose relay users predate the question does not answer it
+
+
+async def check_credentials(bus: Bus, name: str) -> None:
+    """A relay given another relay's bus user (a seed copied between hosts, one Kubernetes
+    secret for every relay) could never write its record, so members would never find it:
+    it does not start, and says whose credentials it has."""
+    try:
+        info = await bus.user_info(timeout=WHO_AM_I_WAIT)
+    except NodusError:
+        return  # an older bus configuration: the announcements' failures say it instead
+    if not confined(info):
+        return  # an operator's credentials, or a bus without authentication
+    holder = relay_of(info)
+    if holder != name:
+        whose = f"relay {holder!r}'s" if holder else "not a relay's"
+        raise NodusError(
+            ErrorCode.UNAUTHORIZED,
+            f"relay {name!r}: the bus user of --credentials is {whose}, so the bus would refuse "
+            f"this relay's record and usage; make its own with `nodus bus user --relay {name}`",
+        )
 
 
 class NameTaken(NodusError):

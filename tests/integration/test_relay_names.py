@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from libs.bus import Bus
-from libs.bus.auth import RELAY
+from libs.bus.auth import RELAY, agent_permissions, relay_of, relay_permissions
 from libs.bus.server import NatsServer, free_port
 from libs.contracts import names
 from libs.contracts.relay import RelayRecord
@@ -111,20 +111,42 @@ def _holds(bus: Bus, relay_: Relay) -> Callable[[], Awaitable[bool]]:
     return holds_its_name
 
 
+def nodus_relay(
+    server: NatsServer, tmp_path: Path, index: int, name: str, credentials: str
+) -> subprocess.Popen[bytes]:
+    """`nodus relay` as deployed: its own bus user, key file and usage journal."""
+    mesh_key = tmp_path / "mesh.key"
+    if not mesh_key.exists():
+        mesh_key.write_bytes(os.urandom(32).hex().encode())
+    argv = [sys.executable, "-m", "app", "relay", "--nats", server.url]
+    argv += ["--credentials", credentials, "--name", name, "--region", "eu"]
+    argv += ["--listen", f"127.0.0.1:{free_port()}", "--mesh-key-file", str(mesh_key)]
+    argv += ["--key-file", str(tmp_path / f"relay-{index}" / "relay.key")]
+    argv += ["--usage-journal", str(tmp_path / f"relay-{index}.usage")]
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+async def test_nodus_relay_given_another_relays_bus_user_exits_with_the_reason(
+    bus: Bus, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    # One seed for every relay (a Kubernetes secret shared by the pods, a copied file): the
+    # bus would refuse this relay's record, and members would never find it.
+    theirs = nats_server.user("relay-a", RELAY, "relay-a")
+    relay_b = nodus_relay(nats_server, tmp_path, 0, "relay-b", theirs)
+    _, err = await asyncio.to_thread(relay_b.communicate, timeout=30)
+    said = err.decode()
+    assert relay_b.returncode == 1, said
+    assert "relay 'relay-b': the bus user of --credentials is relay 'relay-a''s" in said
+    assert "nodus bus user --relay relay-b" in said
+
+
 async def test_nodus_relay_given_a_taken_name_exits_with_the_reason(
     bus: Bus, nats_server: NatsServer, tmp_path: Path
 ) -> None:
     credentials = nats_server.user("relay-h", RELAY, "relay-h")
-    mesh_key = tmp_path / "mesh.key"
-    mesh_key.write_bytes(os.urandom(32).hex().encode())
 
     def start(index: int) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", "app", "relay", "--nats", nats_server.url]
-        argv += ["--credentials", str(credentials), "--name", "relay-h", "--region", "eu"]
-        argv += ["--listen", f"127.0.0.1:{free_port()}", "--mesh-key-file", str(mesh_key)]
-        argv += ["--key-file", str(tmp_path / f"relay-{index}" / "relay.key")]
-        argv += ["--usage-journal", str(tmp_path / f"relay-{index}.usage")]
-        return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        return nodus_relay(nats_server, tmp_path, index, "relay-h", credentials)
 
     relays = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
     first = start(0)
@@ -148,3 +170,9 @@ async def test_nodus_relay_given_a_taken_name_exits_with_the_reason(
     finally:
         first.terminate()
         await asyncio.to_thread(first.communicate, timeout=15)
+
+
+def test_a_relays_bus_user_names_the_relay() -> None:
+    assert relay_of({"permissions": relay_permissions("relay-a")}) == "relay-a"
+    assert relay_of({"permissions": agent_permissions("gpu-1")}) is None
+    assert relay_of({"user": "UOPERATOR"}) is None  # not confined
