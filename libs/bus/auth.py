@@ -212,9 +212,28 @@ def relay_of(user_info: dict[str, Any]) -> str | None:
     return None
 
 
-def confined(user_info: dict[str, Any]) -> bool:
-    """The server holds this user to a set of subjects (every identity but an operator's)."""
-    return bool(user_info.get("permissions"))
+def may_publish(user_info: dict[str, Any], subject: str) -> bool:
+    """Whether the server lets this user publish to `subject`, matched as NATS matches
+    permissions: token by token, `*` one token, `>` the rest. An unconfined user may."""
+    granted = user_info.get("permissions") or {}
+    if not granted:
+        return True
+    publish = granted.get("publish") or {}
+    allow, deny = publish.get("allow"), publish.get("deny") or []
+    allowed = allow is None or any(_covers(pattern, subject) for pattern in allow)
+    return allowed and not any(_covers(pattern, subject) for pattern in deny)
+
+
+def _covers(pattern: object, subject: str) -> bool:
+    if not isinstance(pattern, str):
+        return False
+    wanted, tokens = pattern.split("."), subject.split(".")
+    for index, token in enumerate(wanted):
+        if token == ">":
+            return len(tokens) > index
+        if index >= len(tokens) or token not in ("*", tokens[index]):
+            return False
+    return len(wanted) == len(tokens)
 
 
 def detector_permissions(detector: str) -> dict[str, Any]:

@@ -17,8 +17,9 @@ import logging
 from collections.abc import Callable
 
 from libs.bus import Bus
-from libs.bus.auth import confined, relay_of
+from libs.bus.auth import may_publish, relay_of
 from libs.bus.kv import Bucket
+from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.relay import RelayRecord
@@ -40,16 +41,15 @@ async def check_credentials(bus: Bus, name: str) -> None:
         info = await bus.user_info(timeout=WHO_AM_I_WAIT)
     except NodusError:
         return  # an older bus configuration: the announcements' failures say it instead
-    if not confined(info):
-        return  # an operator's credentials, or a bus without authentication
+    if may_publish(info, f"$KV.{names.BUCKET_RELAYS}.{name}"):
+        return  # its own user, an operator's, a service's, or a bus without authentication
     holder = relay_of(info)
-    if holder != name:
-        whose = f"relay {holder!r}'s" if holder else "not a relay's"
-        raise NodusError(
-            ErrorCode.UNAUTHORIZED,
-            f"relay {name!r}: the bus user of --credentials is {whose}, so the bus would refuse "
-            f"this relay's record and usage; make its own with `nodus bus user --relay {name}`",
-        )
+    whose = f"relay {holder!r}'s" if holder else "not a relay's"
+    raise NodusError(
+        ErrorCode.UNAUTHORIZED,
+        f"relay {name!r}: the bus user of --credentials is {whose}, so the bus would refuse "
+        f"this relay's record and usage; make its own with `nodus bus user --relay {name}`",
+    )
 
 
 class NameTaken(NodusError):

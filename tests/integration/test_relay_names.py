@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from libs.bus import Bus
-from libs.bus.auth import RELAY, agent_permissions, relay_of, relay_permissions
+from libs.bus.auth import RELAY
 from libs.bus.server import NatsServer, free_port
 from libs.contracts import names
 from libs.contracts.relay import RelayRecord
@@ -170,9 +170,3 @@ async def test_nodus_relay_given_a_taken_name_exits_with_the_reason(
     finally:
         first.terminate()
         await asyncio.to_thread(first.communicate, timeout=15)
-
-
-def test_a_relays_bus_user_names_the_relay() -> None:
-    assert relay_of({"permissions": relay_permissions("relay-a")}) == "relay-a"
-    assert relay_of({"permissions": agent_permissions("gpu-1")}) is None
-    assert relay_of({"user": "UOPERATOR"}) is None  # not confined
