@@ -12,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from libs.bus import Bus
@@ -170,3 +171,19 @@ async def test_nodus_relay_given_a_taken_name_exits_with_the_reason(
     finally:
         first.terminate()
         await asyncio.to_thread(first.communicate, timeout=15)
+
+
+async def test_a_relay_whose_name_another_took_while_it_ran_stops(bus: Bus) -> None:
+    # Its bus was cut for longer than a claim's wait, and another relay took the name.
+    first = relay(bus, "relay-r")
+    await first.start()
+    try:
+        await eventually(_holds(bus, first))
+        taken = msgspec.structs.replace(
+            await holder(bus, "relay-r"), public_key="b3RoZXI=", address="127.0.0.1:9"
+        )
+        await bus.bucket(names.BUCKET_RELAYS, RelayRecord).put("relay-r", taken)
+        with pytest.raises(NameTaken, match=r"127\.0\.0\.1:9"):
+            await asyncio.wait_for(asyncio.shield(first.failed), announce.ANNOUNCE_EVERY * 3)
+    finally:
+        await first.stop()
