@@ -127,6 +127,18 @@ def nodus_relay(
     return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+async def stderr_once_exited(process: subprocess.Popen[bytes], within: float = 30.0) -> str:
+    """What the process said, once it ended by itself; one still running is killed (no test
+    leaves a relay behind) and the test fails."""
+    try:
+        _, err = await asyncio.to_thread(process.communicate, timeout=within)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        await asyncio.to_thread(process.communicate)
+        raise AssertionError(f"still running after {within:g} s") from None
+    return err.decode()
+
+
 async def test_nodus_relay_given_another_relays_bus_user_exits_with_the_reason(
     bus: Bus, nats_server: NatsServer, tmp_path: Path
 ) -> None:
@@ -134,8 +146,7 @@ async def test_nodus_relay_given_another_relays_bus_user_exits_with_the_reason(
     # bus would refuse this relay's record, and members would never find it.
     theirs = nats_server.user("relay-a", RELAY, "relay-a")
     relay_b = nodus_relay(nats_server, tmp_path, 0, "relay-b", theirs)
-    _, err = await asyncio.to_thread(relay_b.communicate, timeout=30)
-    said = err.decode()
+    said = await stderr_once_exited(relay_b)
     assert relay_b.returncode == 1, said
     assert "relay 'relay-b': the bus user of --credentials is relay 'relay-a''s" in said
     assert "nodus bus user --relay relay-b" in said
@@ -162,15 +173,15 @@ async def test_nodus_relay_given_a_taken_name_exits_with_the_reason(
         # The key file it made is its alone.
         assert (tmp_path / "relay-0" / "relay.key").stat().st_mode & 0o077 == 0
         second = start(1)
-        _, err = await asyncio.to_thread(second.communicate, timeout=30)
-        said = err.decode()
+        said = await stderr_once_exited(second)
         assert second.returncode == 1, said
         assert "relay name 'relay-h' is held by another live relay" in said
         assert "give each its own --name" in said
         assert first.poll() is None, first.communicate()[1]  # the first goes on
     finally:
-        first.terminate()
-        await asyncio.to_thread(first.communicate, timeout=15)
+        if first.poll() is None:
+            first.terminate()
+            await stderr_once_exited(first, within=15)
 
 
 async def test_a_relay_whose_name_another_took_while_it_ran_stops(bus: Bus) -> None:
