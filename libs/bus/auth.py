@@ -190,35 +190,38 @@ def relay_permissions(relay: str) -> dict[str, Any]:
 DETECTOR_INBOX = "_INBOX._detector"
 
 
+def _publish_rules(user_info: dict[str, Any]) -> dict[str, Any]:
+    """The publish permissions in the server's `$SYS.REQ.USER.INFO` answer ({} unconfined)."""
+    return (user_info.get("permissions") or {}).get("publish") or {}
+
+
+def _named_after(user_info: dict[str, Any], prefix: str) -> str | None:
+    """The token after `prefix` in the first subject the user may publish that starts so."""
+    for subject in _publish_rules(user_info).get("allow") or []:
+        if isinstance(subject, str) and subject.startswith(prefix):
+            return subject[len(prefix) :].split(".", 1)[0]
+    return None
+
+
 def detector_of(user_info: dict[str, Any]) -> str | None:
     """The detector a bus user is, from the server's `$SYS.REQ.USER.INFO` answer: the name its
     permissions let it speak as. None for a user the server does not confine (an operator)."""
-    allowed = ((user_info.get("permissions") or {}).get("publish") or {}).get("allow") or []
-    prefix = names.API_NODE_LABEL + "."
-    for subject in allowed:
-        if isinstance(subject, str) and subject.startswith(prefix):
-            return subject[len(prefix) :]
-    return None
+    return _named_after(user_info, names.API_NODE_LABEL + ".")
 
 
 def relay_of(user_info: dict[str, Any]) -> str | None:
     """The relay a bus user is, from the server's `$SYS.REQ.USER.INFO` answer: the name whose
     usage it may publish. None for a user the server does not confine (an operator) or one
     that is no relay."""
-    allowed = ((user_info.get("permissions") or {}).get("publish") or {}).get("allow") or []
-    for subject in allowed:
-        if isinstance(subject, str) and subject.startswith(names.USAGE_PREFIX):
-            return subject[len(names.USAGE_PREFIX) :].removesuffix(".>")
-    return None
+    return _named_after(user_info, names.USAGE_PREFIX)
 
 
 def may_publish(user_info: dict[str, Any], subject: str) -> bool:
     """Whether the server lets this user publish to `subject`, matched as NATS matches
     permissions: token by token, `*` one token, `>` the rest. An unconfined user may."""
-    granted = user_info.get("permissions") or {}
-    if not granted:
+    if not user_info.get("permissions"):
         return True
-    publish = granted.get("publish") or {}
+    publish = _publish_rules(user_info)
     allow, deny = publish.get("allow"), publish.get("deny") or []
     allowed = allow is None or any(_covers(pattern, subject) for pattern in allow)
     return allowed and not any(_covers(pattern, subject) for pattern in deny)

@@ -142,6 +142,10 @@ class Bucket(Generic[T]):
         self.kind = kind
         self.name = name
 
+    def subject(self, key: str) -> str:
+        """Where a write of `key` goes (what a user's permissions must allow)."""
+        return self._subjects + key
+
     async def get(self, key: str) -> Versioned[T] | None:
         entry = await self._entry(key)
         if entry is None:

@@ -70,6 +70,9 @@ class Whereabouts(NamedTuple):
     region_class: str
 
 
+NOWHERE = Whereabouts("", "")  # a member that does not say where it is: relays by name
+
+
 def nearness(relay_region: str, member: Whereabouts, classes: Mapping[str, str]) -> int:
     """2: the relay is in the member's region; 1: in its region class (`classes`: each
     region's class, as the fleet's machines say); 0: elsewhere."""

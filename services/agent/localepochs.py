@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from prometheus_client import Counter
 
 from libs.bus import Bus
@@ -104,13 +103,22 @@ class LocalEpochs:
         the Direct path: nodus0 and ICE with every peer (G7, G11). The Private path's port
         rules are kernel state the agent writes itself (G22)."""
         host = self.host
-        spec = DataplaneSpec(
-            kind="relayed", node=host.node, region=host.region, region_class=host.region_class
-        )
         if epoch.path is PathClass.RELAYED:
-            return msgspec.structs.replace(spec, socks_listen=host.socks_endpoint)
+            return DataplaneSpec(
+                kind="relayed",
+                node=host.node,
+                socks_listen=host.socks_endpoint,
+                region=host.region,
+                region_class=host.region_class,
+            )
         if epoch.path is PathClass.DIRECT and host.nodus0:
-            return msgspec.structs.replace(spec, kind="direct", underlay=host.underlay)
+            return DataplaneSpec(
+                kind="direct",
+                node=host.node,
+                underlay=host.underlay,
+                region=host.region,
+                region_class=host.region_class,
+            )
         return None
 
     def port_rules(self, epoch: Epoch) -> PortRules:

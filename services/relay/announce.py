@@ -19,7 +19,6 @@ from collections.abc import Callable
 from libs.bus import Bus
 from libs.bus.auth import may_publish, relay_of
 from libs.bus.kv import Bucket
-from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.relay import RelayRecord
@@ -31,25 +30,6 @@ ANNOUNCE_EVERY = 2.0  # seconds between heartbeats (a record is live for RELAY_F
 CLAIM_WAIT = 2.5 * ANNOUNCE_EVERY
 CLAIM_POLL = 0.5
 WHO_AM_I_WAIT = 1.0  # a bus whose relay users predate the question does not answer it
-
-
-async def check_credentials(bus: Bus, name: str) -> None:
-    """A relay given another relay's bus user (a seed copied between hosts, one Kubernetes
-    secret for every relay) could never write its record, so members would never find it:
-    it does not start, and says whose credentials it has."""
-    try:
-        info = await bus.user_info(timeout=WHO_AM_I_WAIT)
-    except NodusError:
-        return  # an older bus configuration: the announcements' failures say it instead
-    if may_publish(info, f"$KV.{names.BUCKET_RELAYS}.{name}"):
-        return  # its own user, an operator's, a service's, or a bus without authentication
-    holder = relay_of(info)
-    whose = f"relay {holder!r}'s" if holder else "not a relay's"
-    raise NodusError(
-        ErrorCode.UNAUTHORIZED,
-        f"relay {name!r}: the bus user of --credentials is {whose}, so the bus would refuse "
-        f"this relay's record and usage; make its own with `nodus bus user --relay {name}`",
-    )
 
 
 class NameTaken(NodusError):
@@ -80,6 +60,25 @@ class Announcer:
         self.public_key = public_key
         self.record = record  # the record as of now (address, heartbeat time, ...)
         self.revision: int | None = None  # of this relay's last write; None: create
+
+    async def check_credentials(self, bus: Bus) -> None:
+        """A relay given another relay's bus user (a seed copied between hosts, one Kubernetes
+        secret for every relay) could never write its record, so members would never find
+        it: it does not start, and says whose credentials it has."""
+        try:
+            info = await bus.user_info(timeout=WHO_AM_I_WAIT)
+        except NodusError:
+            return  # an older bus configuration: the announcements' failures say it instead
+        if may_publish(info, self.relays.subject(self.name)):
+            return  # its own user, an operator's, a service's, or a bus without authentication
+        holder = relay_of(info)
+        whose = f"relay {holder!r}'s" if holder else "not a relay's"
+        raise NodusError(
+            ErrorCode.UNAUTHORIZED,
+            f"relay {self.name!r}: the bus user of --credentials is {whose}, so the bus would "
+            "refuse this relay's record and usage; make its own with "
+            f"`nodus bus user --relay {self.name}`",
+        )
 
     async def claim(self) -> None:
         """Take the name, or raise NameTaken while another live relay holds it."""
@@ -129,21 +128,16 @@ class Announcer:
 
     async def first(self) -> None:
         """The first announcement, as the relay starts: NameTaken when it lost a race for the
-        name; the bus's failures are left to `run`."""
+        name; the bus's failures are waited out, as in `run`."""
         try:
             await self.announce()
         except NameTaken:
             raise
-        except Exception as error:
+        except Exception as error:  # the bus reconnects; keep announcing
             log.warning("announce failed: %s", error)
 
     async def run(self) -> None:
-        """Announce every ANNOUNCE_EVERY until NameTaken; the bus's failures are waited out."""
+        """Announce every ANNOUNCE_EVERY until NameTaken."""
         while True:
             await asyncio.sleep(ANNOUNCE_EVERY)
-            try:
-                await self.announce()
-            except NameTaken:
-                raise
-            except Exception as error:  # the bus reconnects; keep announcing
-                log.warning("announce failed: %s", error)
+            await self.first()

@@ -44,7 +44,7 @@ from libs.relayproto.connection import DEAD_AFTER, Connection, Offered, serve
 from libs.runtime.tasks import TaskSet
 from libs.runtime.version import VERSION
 from libs.wg.messages import carried_bytes
-from services.relay.announce import Announcer, NameTaken, check_credentials
+from services.relay.announce import Announcer, NameTaken
 from services.relay.billing import UsageMeter
 from services.relay.buckets import TokenBucket
 from services.relay.membership import Identity, Membership
@@ -144,7 +144,7 @@ class Relay:
     async def start(self) -> None:
         """Claim the name, serve, announce: NameTaken while another live relay holds the name
         (or took it in a race with this one; `stop` then closes what started)."""
-        await check_credentials(self.bus, self.name)
+        await self.announcer.check_credentials(self.bus)
         await self.announcer.claim()
         await self.membership.start()
         self.membership.on_fence.append(self._fence)

@@ -31,7 +31,7 @@ from libs.contracts.base import now
 from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.relay import IceOffer, Member, MemberPaths, PathHeartbeat
-from libs.jobs.relays import Whereabouts, nearest_first
+from libs.jobs.relays import NOWHERE, Whereabouts, nearest_first
 from libs.runtime.tasks import TaskSet
 from libs.wg import key_from_base64, public_key
 from libs.wg.uapi import DeviceConfig, PeerConfig, UapiError
@@ -42,7 +42,7 @@ from services.agent.direct.nodus0 import Nodus0
 from services.agent.direct.pairpath import HEARTBEAT_INTERVAL, PairPath
 from services.agent.direct.wgport import Mapping, PortMap
 from services.agent.introductions import introduced_peer
-from services.agent.relayed.member import NOWHERE, live_relays
+from services.agent.relayed.member import live_relays
 
 log = logging.getLogger("nodus.agent.direct")
 

@@ -18,7 +18,7 @@ from libs.contracts.relay import (
     Member,
     RelayRecord,
 )
-from libs.jobs.relays import Whereabouts, is_live, nearest_first
+from libs.jobs.relays import NOWHERE, Whereabouts, is_live, nearest_first
 from libs.runtime.tasks import cancel_and_wait
 from libs.wg import key_from_base64
 from services.agent.introductions import introduced_peer
@@ -27,9 +27,6 @@ from services.agent.relayed.tunnel import Tunnel
 from services.agent.relayed.wgdevice import WgDevice
 
 log = logging.getLogger("nodus.agent.member")
-
-
-NOWHERE = Whereabouts("", "")  # a member that does not say where it is: relays by name
 
 
 def _fresh(record: RelayRecord) -> bool:
