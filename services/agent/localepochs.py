@@ -10,7 +10,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prometheus_client import Counter
 
@@ -103,23 +103,21 @@ class LocalEpochs:
         the Direct path: nodus0 and ICE with every peer (G7, G11). The Private path's port
         rules are kernel state the agent writes itself (G22)."""
         host = self.host
+        kind: Literal["relayed", "direct"]
         if epoch.path is PathClass.RELAYED:
-            return DataplaneSpec(
-                kind="relayed",
-                node=host.node,
-                socks_listen=host.socks_endpoint,
-                region=host.region,
-                region_class=host.region_class,
-            )
-        if epoch.path is PathClass.DIRECT and host.nodus0:
-            return DataplaneSpec(
-                kind="direct",
-                node=host.node,
-                underlay=host.underlay,
-                region=host.region,
-                region_class=host.region_class,
-            )
-        return None
+            kind, socks_listen, underlay = "relayed", host.socks_endpoint, None
+        elif epoch.path is PathClass.DIRECT and host.nodus0:
+            kind, socks_listen, underlay = "direct", "", host.underlay
+        else:
+            return None
+        return DataplaneSpec(
+            kind=kind,
+            node=host.node,
+            socks_listen=socks_listen,
+            underlay=underlay,
+            region=host.region,
+            region_class=host.region_class,
+        )
 
     def port_rules(self, epoch: Epoch) -> PortRules:
         member = self._member_of(epoch)
