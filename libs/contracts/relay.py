@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from datetime import datetime
 
 from libs.contracts.base import Name, Record
@@ -77,6 +78,11 @@ class MemberPaths(Record):
 # member tells it only to relays that announce this, so relays are upgraded before members.
 CAPABILITY_USAGE_TOTALS = "usage-totals-v1"
 
+# A relay that hands a member on to the relay it names (`Route`) when both share a port of
+# their host. A member names its relay only to relays that announce this, and dials a relay's
+# `shared_address` (which only such relays write) before its own.
+CAPABILITY_ROUTE = "route-v1"
+
 
 class RelayRecord(Record):
     """A relay announces itself (C6): where members dial it and the key they prove theirs to."""
@@ -90,6 +96,22 @@ class RelayRecord(Record):
     heartbeat_time: datetime
     # host:port of the relay's STUN on UDP (G11: members learn their NAT's address); "" if off.
     stun_address: str = ""
+    # host:port of a port the relay shares with the other relays of its host (443, so that a
+    # member behind a firewall that opens only 443 reaches every one of them): a member dials
+    # it before `address`, and names the relay it means when another answers. "" if none.
+    shared_address: str = ""
+
+
+RelayDoor = tuple[str, str, bytes | None]  # name, host:port, key (see member_door)
+
+
+def member_door(record: RelayRecord) -> RelayDoor:
+    """A relay's name, where a member dials it, and the key by which the member knows it
+    answered (None: the relay cannot hand a member on, so it takes whichever answers)."""
+    if CAPABILITY_ROUTE not in record.capabilities:
+        return record.name, record.address, None
+    address = record.shared_address or record.address
+    return record.name, address, base64.b64decode(record.public_key)
 
 
 class RelayLoad(Record):

@@ -52,8 +52,12 @@ class RelayClient:
         on_presence: Callable[[RelayClient], None] | None = None,
         on_batch_end: Callable[[], None] | None = None,
         takes_totals: bool = False,
+        route_key: bytes | None = None,
     ) -> None:
         self.name = name
+        # The relay's key, when it takes Route: its address may be a port it shares with the
+        # other relays of its host, one of which may answer first.
+        self.route_key = route_key
         self.takes_totals = takes_totals  # it announced CAPABILITY_USAGE_TOTALS: `Sent` is known
         self.address = address
         self.gang, self.epoch, self.node = gang, epoch, node
@@ -63,6 +67,7 @@ class RelayClient:
         self.on_batch_end = on_batch_end  # after the messages of one read: write them out
         self.conn: Connection | None = None
         self.region = ""
+        self.welcomed_by = ""
         self.present: set[bytes] = set()  # peers of our epoch this relay can reach
         self.ended = ""  # why the last connection ended
 
@@ -87,7 +92,8 @@ class RelayClient:
             return Hello(self.gang, self.epoch, self.node, self._public, proof)
 
         try:
-            welcome = await conn.dial(hello, timeout)
+            expect = None if self.route_key is None else (self.name, self.route_key)
+            welcome = await conn.dial(hello, timeout, expect)
         except HandshakeRefused as refused:
             conn.abort()
             raise NodusError(
@@ -97,6 +103,7 @@ class RelayClient:
             conn.abort()
             raise
         self.region = welcome.region
+        self.welcomed_by = welcome.relay  # the relay meant, on a shared port too
         self.present = set()
         self.ended = ""
         self.conn = conn

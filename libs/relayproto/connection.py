@@ -59,6 +59,7 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.heard = time.monotonic()  # when the peer last sent anything
         self.silent = False  # ended by `keep_alive`: the peer fell silent
+        self.routed = False  # handed on by another relay of a shared port: not again
         self._on_made = on_made
         self._frames: list[Frame] = []  # read, not yet handed to the session
         self._unread = 0  # bytes behind them
@@ -201,10 +202,15 @@ class Connection(asyncio.Protocol):
 
     # -- handshakes ----------------------------------------------------------------------------
 
-    async def dial(self, answer: Answer, timeout: float = HANDSHAKE_TIMEOUT) -> Welcome:
-        """The dialer's side of the handshake; raises HandshakeRefused, FrameError,
-        TimeoutError or ConnectionError."""
-        handshake = DialerHandshake(answer)
+    async def dial(
+        self,
+        answer: Answer,
+        timeout: float = HANDSHAKE_TIMEOUT,
+        expect: tuple[str, bytes] | None = None,
+    ) -> Welcome:
+        """The dialer's side of the handshake (`expect`: see DialerHandshake); raises
+        HandshakeRefused, FrameError, TimeoutError or ConnectionError."""
+        handshake = DialerHandshake(answer, expect)
         async with asyncio.timeout(timeout):
             while not handshake.established:
                 for frame in await self.read_frames():
@@ -216,10 +222,11 @@ class Connection(asyncio.Protocol):
         return handshake.welcome
 
     async def accept(
-        self, relay_key: bytes, timeout: float = HANDSHAKE_TIMEOUT
+        self, relay_key: bytes, timeout: float = HANDSHAKE_TIMEOUT, routed: bool = False
     ) -> AcceptorHandshake:
-        """The relay's side: challenge, then the dialer's hello (in `.hello`)."""
-        handshake = AcceptorHandshake(relay_key)
+        """The relay's side: challenge, then the dialer's hello (in `.hello`) or the relay it
+        meant (`.route`; not again once `routed`)."""
+        handshake = AcceptorHandshake(relay_key, routed=routed)
         self.send_nowait(handshake.challenge)
         async with asyncio.timeout(timeout):
             while not handshake.established:
@@ -266,11 +273,14 @@ async def serve(
     host: str,
     port: int,
     factory: type[Connection] = Connection,
+    reuse_port: bool = False,
 ) -> asyncio.Server:
     """Listen; `accepted` is called with each new connection (it starts the task that reads
-    it, and the handshake)."""
+    it, and the handshake). `reuse_port`: a port shared with the host's other relays."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: factory(on_made=accepted), host, port)
+    return await loop.create_server(
+        lambda: factory(on_made=accepted), host, port, reuse_port=reuse_port or None
+    )
 
 
 def split_address(address: str) -> tuple[str, int]:

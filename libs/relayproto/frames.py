@@ -1,7 +1,8 @@
 """Frames: `u32 length | u8 type | body`, length counting type and body, big-endian.
 
 Member <-> relay:  Challenge (relay first), Hello, Welcome, Send, Recv, Ping, Pong, ErrorFrame,
-                   Home, Sent.
+                   Home, Sent; Route in place of Hello when the challenge came from another relay
+                   of a host whose relays share one port (the member's relay is handed it).
 Relay <-> relay:   Challenge, MeshHello, PresenceDump, Present, Absent, Forward, Ping, Pong.
 The only payload a relay carries between members is a WireGuard message (types 1-4, G16).
 
@@ -100,6 +101,14 @@ class Sent:
 
 
 @dataclass(frozen=True, slots=True)
+class Route:
+    """A member's answer to a challenge from the wrong relay of a shared port: "hand me to
+    `relay`", sent at most once per connection."""
+
+    relay: str
+
+
+@dataclass(frozen=True, slots=True)
 class MeshHello:
     name: str
     proof: bytes
@@ -140,6 +149,7 @@ Frame = (
     | ErrorFrame
     | Home
     | Sent
+    | Route
     | MeshHello
     | Present
     | PresenceDump
@@ -150,6 +160,7 @@ Frame = (
 T_CHALLENGE, T_HELLO, T_WELCOME, T_SEND, T_RECV, T_PING, T_PONG, T_ERROR, T_HOME, T_SENT = range(
     1, 11
 )
+T_ROUTE = 11
 T_MESH_HELLO, T_PRESENCE_DUMP, T_PRESENT, T_ABSENT, T_FORWARD = range(16, 21)
 
 
@@ -212,6 +223,8 @@ def encode(frame: Frame) -> bytes:
             return _frame(T_HOME, b"\x01" if failover else b"\x00")
         case Sent(total):
             return _frame(T_SENT, _U64.pack(total))
+        case Route(relay):
+            return _frame(T_ROUTE, _str(relay))
         case MeshHello(name, proof):
             return _frame(T_MESH_HELLO, _str(name), proof)
         case Present(key, gang, epoch):
@@ -291,6 +304,8 @@ def _decode(kind: int, body: memoryview) -> Frame:
         frame = Home(bool(flag))
     elif kind == T_SENT:
         frame = Sent(r.u64())
+    elif kind == T_ROUTE:
+        frame = Route(r.string())
     elif kind == T_MESH_HELLO:
         frame = MeshHello(r.string(), r.take(32))
     elif kind == T_PRESENT:

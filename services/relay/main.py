@@ -68,6 +68,14 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
         "learn their public address (ICE, G11); off when not given",
     )
     parser.add_argument(
+        "--share-port",
+        type=int,
+        help="also take members on this TCP port of the listen host, shared with the host's "
+        "other relays (443: members behind a firewall that opens only 443 reach each of them; "
+        "a member is handed to the relay it names). Every relay sharing it runs as one user; "
+        "give it only once every agent runs this version (older ones cannot read the record)",
+    )
+    parser.add_argument(
         "--no-rate-limit", action="store_true", help="benchmarks only: no per-gang cap"
     )
 
@@ -129,6 +137,7 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
             advertise=args.advertise,
             usage_journal=args.usage_journal,
             stun_port=args.stun_port,
+            share_port=args.share_port,
         )
     except (OSError, ValueError) as error:
         await bus.close()

@@ -30,4 +30,8 @@ FAILOVERS = Counter(
     "nodus_relay_failovers_total",
     "Members that made this relay their home after losing their previous one",
 )
+HANDOFFS = Counter(
+    "nodus_relay_handoffs_total",
+    "Members' connections handed to the relay they named, another relay of this host's shared port",
+)
 USAGE_FLUSHES = Counter("nodus_relay_usage_records_total", "Usage records published", ["outcome"])

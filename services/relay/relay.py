@@ -17,8 +17,14 @@ from libs.bus import Bus
 from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.bounds import derive, destination_queue_bytes
+from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.jobs import PathClass
-from libs.contracts.relay import CAPABILITY_EPOCH_RELAYS, CAPABILITY_USAGE_TOTALS, RelayRecord
+from libs.contracts.relay import (
+    CAPABILITY_EPOCH_RELAYS,
+    CAPABILITY_ROUTE,
+    CAPABILITY_USAGE_TOTALS,
+    RelayRecord,
+)
 from libs.relayproto import (
     Absent,
     Forward,
@@ -55,10 +61,12 @@ from services.relay.metrics import (
     DESTINATION_DROPS,
     DROPPED,
     FAILOVERS,
+    HANDOFFS,
     REFUSED,
     SESSIONS,
 )
 from services.relay.reading import read_frames
+from services.relay.sharing import HandOffError, SharedPort
 from services.relay.stun import StunServer
 
 log = logging.getLogger("nodus.relay")
@@ -102,6 +110,7 @@ class Relay:
         advertise: str | None = None,
         usage_journal: Path | None = None,
         stun_port: int | None = None,
+        share_port: int | None = None,
     ) -> None:
         self.bus = bus
         self.name = name
@@ -114,6 +123,11 @@ class Relay:
         self.membership = Membership(bus)
         # STUN for Direct members behind NAT (G11), on UDP beside the members' TCP port.
         self.stun = StunServer(listen[0], stun_port) if stun_port is not None else None
+        # A port of the listen host shared with the host's other relays (sharing.py): 443 for
+        # members behind firewalls that open nothing else. 0 in tests: any free port.
+        self.share_port = share_port
+        self.shared: SharedPort | None = None
+        self.shared_server: asyncio.Server | None = None
         self.meter = UsageMeter(bus, name, usage_journal)
         self.sessions: dict[bytes, MemberSession] = {}
         self.mesh = Mesh(name, region, mesh_key, mesh_with, self)
@@ -127,17 +141,22 @@ class Relay:
         self._handlers = TaskSet("relay connection", log)  # one per accepted connection
         self._touched: list[MemberSession] = []  # sessions with an outbox to write
 
-    @property
-    def address(self) -> str:
-        host, port = self.advertise or self.listen[0], self.listen[1]
+    def _advertised(self, port: int) -> str:
+        """host:port of one of this relay's ports at the host members dial."""
+        host = self.advertise or self.listen[0]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     @property
+    def address(self) -> str:
+        return self._advertised(self.listen[1])
+
+    @property
+    def shared_address(self) -> str:
+        return "" if self.shared is None else self._advertised(self.shared.port)
+
+    @property
     def stun_address(self) -> str:
-        if self.stun is None:
-            return ""
-        host = self.advertise or self.listen[0]
-        return f"[{host}]:{self.stun.port}" if ":" in host else f"{host}:{self.stun.port}"
+        return "" if self.stun is None else self._advertised(self.stun.port)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -148,11 +167,11 @@ class Relay:
         await self.announcer.claim()
         await self.membership.start()
         self.membership.on_fence.append(self._fence)
-        self.server = await serve(
-            lambda conn: self._handlers.spawn(self._accept(conn)), *self.listen, factory=Connection
-        )
+        self.server = await serve(self._accepted, *self.listen, factory=Connection)
         if self.listen[1] == 0:
             self.listen = (self.listen[0], self.server.sockets[0].getsockname()[1])
+        if self.share_port is not None:
+            await self._share_port(self.share_port)
         if self.stun is not None:
             await self.stun.start()
         self._tasks.spawn(self.meter.run(), name="usage meter")
@@ -162,9 +181,30 @@ class Relay:
         self._tasks.spawn(self.mesh.run(), name="mesh links")
         log.info("relay %s (%s) listening on %s", self.name, self.region, self.address)
 
+    async def _share_port(self, port: int) -> None:
+        accepted = self._accepted
+        self.shared_server = await serve(accepted, self.listen[0], port, reuse_port=True)
+        port = self.shared_server.sockets[0].getsockname()[1]
+        self.shared = SharedPort(port, self.name, accepted)
+        try:
+            self.shared.open()
+        except OSError as error:
+            raise NodusError(
+                ErrorCode.CONFLICT,
+                f"relay {self.name!r}: port {port} is shared by another relay of this name on "
+                f"this host ({error.strerror})",
+            ) from None
+
+    def _accepted(self, conn: Connection) -> None:
+        self._handlers.spawn(self._accept(conn))
+
     async def stop(self) -> None:
         if self.server:
             self.server.close()
+        if self.shared_server:
+            self.shared_server.close()
+        if self.shared is not None:
+            self.shared.close()
         for session in list(self.sessions.values()):
             session.conn.close()
         self.mesh.close()
@@ -183,9 +223,16 @@ class Relay:
             address=self.address,
             public_key=_b64(self.public_key),
             version=VERSION,
-            capabilities=["relay-v1", "mesh-v1", CAPABILITY_USAGE_TOTALS, CAPABILITY_EPOCH_RELAYS],
+            capabilities=[
+                "relay-v1",
+                "mesh-v1",
+                CAPABILITY_USAGE_TOTALS,
+                CAPABILITY_EPOCH_RELAYS,
+                CAPABILITY_ROUTE,
+            ],
             heartbeat_time=now(),
             stun_address=self.stun_address,
+            shared_address=self.shared_address,
         )
 
     async def _announce(self) -> None:
@@ -202,7 +249,14 @@ class Relay:
         """One connection's whole life. What goes wrong here belongs to this connection: it
         is counted and the connection closed; no other session is touched."""
         try:
-            handshake = await conn.accept(self.public_key)
+            handshake = await conn.accept(self.public_key, routed=conn.routed)
+            if handshake.route is not None:
+                if handshake.route != self.name:
+                    await self._hand_off(conn, handshake.route)
+                    return
+                # It meant this relay, whose key its record did not show (a restart with a new
+                # key): challenged again, it answers whatever the key.
+                handshake = await conn.accept(self.public_key, routed=True)
             hello = handshake.hello
             if isinstance(hello, Hello):
                 await self._member(conn, hello, handshake.nonce)
@@ -215,6 +269,17 @@ class Relay:
             pass  # the peer went away or never finished its hello
         finally:
             conn.close()
+
+    async def _hand_off(self, conn: Connection, relay: str) -> None:
+        """A member meant another relay of this host's shared port: pass it its connection."""
+        try:
+            if self.shared is None:
+                raise HandOffError(f"relay {self.name} shares no port with other relays")
+            self.shared.hand_off(conn, relay)
+            HANDOFFS.inc()
+        except HandOffError as error:
+            REFUSED.labels("no_such_relay").inc()
+            await conn.refuse("NoSuchRelay", str(error))
 
     async def _member(self, conn: Connection, hello: Hello, nonce: bytes) -> None:
         identity = await self.membership.admit(hello.wg_key, hello.gang, hello.epoch, hello.node)

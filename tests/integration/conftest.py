@@ -22,7 +22,7 @@ from libs.contracts.base import now
 from libs.contracts.bounds import derive
 from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.jobs import PathClass
-from libs.contracts.relay import Member
+from libs.contracts.relay import Member, RelayDoor
 from libs.relayproto import x25519_public
 from libs.relayproto.client import RelayClient
 from services.agent.agent import Agent
@@ -131,9 +131,14 @@ class Node:
         self.inbox: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
 
     def client(self, relay: Relay) -> RelayClient:
+        return self.dial((relay.name, relay.address, None))
+
+    def dial(self, door: RelayDoor) -> RelayClient:
+        """A client of the relay at `door` (`member_door` of its record)."""
+        name, address, key = door
         return RelayClient(
-            relay.name,
-            relay.address,
+            name,
+            address,
             self.gang,
             self.epoch,
             self.name,
@@ -141,6 +146,7 @@ class Node:
             self.public,
             lambda src, msg: self.inbox.put_nowait((src, bytes(msg))),
             takes_totals=True,
+            route_key=key,
         )
 
 

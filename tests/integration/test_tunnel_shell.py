@@ -57,7 +57,7 @@ async def members(bus: Bus) -> AsyncIterator[Members]:
             1,
             ADDRESSES[i],
             WgDevice(n.private),
-            [(relay.name, relay.address)],
+            [(relay.name, relay.address, None)],
             totals={relay.name},
         )
         for i, n in enumerate(nodes)

@@ -15,6 +15,7 @@ from libs.relayproto import (
     Hello,
     MeshHello,
     Recv,
+    Route,
     Send,
     Welcome,
     encode,
@@ -59,6 +60,35 @@ def test_the_acceptor_challenges_first_and_keeps_what_follows_the_hello() -> Non
     assert isinstance(mesh.hello, MeshHello)
     with pytest.raises(FrameError, match="expected hello"):
         AcceptorHandshake(KEY).receive(Send(KEY, MESSAGE))
+
+
+def test_a_member_told_another_relays_key_names_its_relay_once() -> None:
+    # A shared port: the sibling of the member's relay answered first.
+    dialer = DialerHandshake(lambda challenge: HELLO, expect=("relay-b", KEY))
+    assert dialer.receive(Challenge(b"s" * 32, b"n" * 32)) == Route("relay-b")
+    assert not dialer.established and dialer.routed
+    # Handed on, its relay challenges it with its own key.
+    assert dialer.receive(Challenge(KEY, b"m" * 32)) == HELLO
+    # Its relay's key, first time: no detour.
+    direct = DialerHandshake(lambda challenge: HELLO, expect=("relay-b", KEY))
+    assert direct.receive(Challenge(KEY, b"n" * 32)) == HELLO and not direct.routed
+    # Another key again after the Route (the relay restarted with a new key): it answers.
+    stale = DialerHandshake(lambda challenge: HELLO, expect=("relay-b", KEY))
+    stale.receive(Challenge(b"s" * 32, b"n" * 32))
+    assert stale.receive(Challenge(b"t" * 32, b"n" * 32)) == HELLO
+    # The sibling could not hand it on: a refusal, not a protocol error.
+    lost = DialerHandshake(lambda challenge: HELLO, expect=("relay-z", KEY))
+    lost.receive(Challenge(b"s" * 32, b"n" * 32))
+    with pytest.raises(HandshakeRefused, match="NoSuchRelay"):
+        lost.receive(ErrorFrame("NoSuchRelay", "no relay named 'relay-z'"))
+
+
+def test_the_acceptor_takes_a_route_once_per_connection() -> None:
+    acceptor = AcceptorHandshake(KEY)
+    acceptor.receive(Route("relay-b"))
+    assert acceptor.established and acceptor.route == "relay-b" and acceptor.hello is None
+    with pytest.raises(FrameError, match="expected hello, got Route"):
+        AcceptorHandshake(KEY, routed=True).receive(Route("relay-c"))
 
 
 async def test_welcome_and_a_forwarded_frame_in_one_read_both_arrive() -> None:

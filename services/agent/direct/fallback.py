@@ -22,6 +22,7 @@ from typing import cast
 from prometheus_client import Counter
 
 from libs.contracts.bounds import FALLBACK_QUEUE_BYTES
+from libs.contracts.relay import RelayDoor
 from libs.relayproto import Message
 from libs.relayproto.client import RelayClient
 from libs.runtime.tasks import TaskSet
@@ -66,14 +67,24 @@ class RelayFallback:
         epoch: int,
         wg_private: bytes,
         wg_public: bytes,
-        relays: list[tuple[str, str]],
+        relays: list[RelayDoor],
         wireguard_port: int,
     ) -> None:
         self.node = node
         self.wireguard_port = wireguard_port
         self.clients = [
-            RelayClient(name, address, gang, epoch, node, wg_private, wg_public, self._received)
-            for name, address in relays
+            RelayClient(
+                name,
+                address,
+                gang,
+                epoch,
+                node,
+                wg_private,
+                wg_public,
+                self._received,
+                route_key=key,
+            )
+            for name, address, key in relays
         ]
         self.home: RelayClient | None = None
         self.bridges: dict[bytes, _Bridge] = {}

@@ -30,7 +30,7 @@ from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.errors import ErrorCode, NodusError
-from libs.contracts.relay import IceOffer, Member, MemberPaths, PathHeartbeat
+from libs.contracts.relay import IceOffer, Member, MemberPaths, PathHeartbeat, member_door
 from libs.jobs.relays import NOWHERE, Whereabouts, nearest_first
 from libs.runtime.tasks import TaskSet
 from libs.wg import key_from_base64, public_key
@@ -191,7 +191,7 @@ class DirectMember:
             self.epoch.epoch,
             self.wg_private,
             public_key(self.wg_private),
-            [(r.name, r.address) for r in relays[:2]],
+            [member_door(r) for r in relays[:2]],
             LISTEN_PORT,
         )
         await self.fallback.start()

@@ -17,6 +17,7 @@ from libs.contracts.relay import (
     RELAYS_PER_MEMBER,
     Member,
     RelayRecord,
+    member_door,
 )
 from libs.jobs.relays import NOWHERE, Whereabouts, is_live, nearest_first
 from libs.runtime.tasks import cancel_and_wait
@@ -107,7 +108,7 @@ class RelayedMember:
             self.epoch.epoch,
             self.member.address,
             device,
-            [(r.name, r.address) for r in picked],
+            [member_door(r) for r in picked],
             window,
             totals={r.name for r in picked if CAPABILITY_USAGE_TOTALS in r.capabilities},
             inflight=link_inflight(bounds),

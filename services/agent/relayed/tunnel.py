@@ -21,6 +21,7 @@ from collections.abc import Collection, Coroutine
 from prometheus_client import Counter
 
 from libs.contracts.bounds import LINK_MAX_INFLIGHT_BYTES, STREAM_WINDOW_BYTES
+from libs.contracts.relay import RelayDoor
 from libs.relayproto import Message
 from libs.relayproto.client import RelayClient
 from libs.runtime.tasks import TaskSet, cancel_and_wait
@@ -83,12 +84,13 @@ class Tunnel:
         epoch: int,
         address: str,
         device: WgDevice,
-        relays: list[tuple[str, str]],
+        relays: list[RelayDoor],
         window: int = STREAM_WINDOW_BYTES,
         totals: Collection[str] = (),
         inflight: int = LINK_MAX_INFLIGHT_BYTES,
     ) -> None:
-        """`relays`: (name, host:port), home first; `totals`: those that take `Sent`."""
+        """`relays`: where to dial each (`member_door`), home first; `totals`: those that take
+        `Sent`."""
         self.node, self.gang, self.epoch, self.address = node, gang, epoch, address
         self.device = device
         self.window = window
@@ -114,8 +116,9 @@ class Tunnel:
                 lambda relay: self.relays.presence(relay),
                 self.sockets.write_out,
                 takes_totals=name in totals,
+                route_key=key,
             )
-            for name, addr in relays
+            for name, addr, key in relays
         ]
         self.relays = RelayHome(node, clients, self._moved)
         self.timers = Timers(self._next_deadline, self._fire_timers)
