@@ -261,6 +261,9 @@ class LocalSystem:
         # In the lab the control namespace is fresh: fixed ports, and STUN for Direct members.
         host = str(CONTROL_ADDRESS) if self.lab is not None else "127.0.0.1"
         ports = [4430 + i if self.lab else free_port() for i in range(self.relays)]
+        # They share a port for members, as the relays of one host do (443 there): every
+        # member's connection may reach another relay first and be handed to its own.
+        shared = 443 if self.lab else free_port()
         regions = self.relay_regions or [main_region_class(self.fleet)]
         every = ",".join(f"{host}:{p}" for p in ports)  # each skips its own, as on real hosts
         for index, port in enumerate(ports):
@@ -275,6 +278,8 @@ class LocalSystem:
                     regions[index % len(regions)],
                     "--listen",
                     f"{host}:{port}",
+                    "--share-port",
+                    str(shared),
                     "--mesh-with",
                     every,
                     "--mesh-key-file",

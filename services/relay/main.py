@@ -64,16 +64,21 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stun-port",
         type=int,
+        default=os.environ.get("NODUS_RELAY_STUN_PORT") or None,
         help="answer STUN on this UDP port of the listen host, so Direct members behind NAT "
-        "learn their public address (ICE, G11); off when not given",
+        "learn their public address (ICE, G11); the host's relays of one user may all answer "
+        "on one port; off when not given (env NODUS_RELAY_STUN_PORT)",
     )
+    shared = os.environ.get("NODUS_RELAY_SHARE_PORT", "")
     parser.add_argument(
         "--share-port",
         type=int,
+        default=shared or None,  # a string default is parsed as the flag would be
         help="also take members on this TCP port of the listen host, shared with the host's "
         "other relays (443: members behind a firewall that opens only 443 reach each of them; "
-        "a member is handed to the relay it names). Every relay sharing it runs as one user; "
-        "give it only once every agent runs this version (older ones cannot read the record)",
+        "a member is handed to the relay it names). Not the --listen port, which mesh peers "
+        "dial. Every relay sharing it runs as one user. Give it once every agent and placer "
+        "runs this version: older ones cannot read the record (env NODUS_RELAY_SHARE_PORT)",
     )
     parser.add_argument(
         "--no-rate-limit", action="store_true", help="benchmarks only: no per-gang cap"
@@ -117,6 +122,12 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
             _create_key(args.key_file)
         private_key = _read_secret(args.key_file, "relay key", 32)
     host, port = split_address(args.listen)
+    if args.share_port is not None and args.share_port == port:
+        raise NodusError(
+            ErrorCode.INVALID,
+            f"--share-port {port} is the --listen port: mesh peers dial the listen port and "
+            "must reach this relay, not any relay of the host; give the relay a port of its own",
+        )
     bus = await Bus.open(
         args.nats,
         name=f"nodus-relay-{args.name}",

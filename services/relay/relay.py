@@ -183,7 +183,15 @@ class Relay:
 
     async def _share_port(self, port: int) -> None:
         accepted = self._accepted
-        self.shared_server = await serve(accepted, self.listen[0], port, reuse_port=True)
+        try:
+            self.shared_server = await serve(accepted, self.listen[0], port, reuse_port=True)
+        except OSError as error:
+            raise NodusError(
+                ErrorCode.CONFLICT,
+                f"relay {self.name!r}: cannot share port {port} ({error.strerror}): a process "
+                "that does not share it holds it (nodus-relay.service listens on 443 alone), "
+                "or relays of another user do (relays share a port only with their own user)",
+            ) from None
         port = self.shared_server.sockets[0].getsockname()[1]
         self.shared = SharedPort(port, self.name, accepted)
         try:

@@ -69,7 +69,10 @@ class StunServer:
 
     async def start(self) -> None:
         transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
-            _Protocol, local_addr=(self.host, self.port)
+            # The relays of one host may answer STUN on one port: any of them answers alike.
+            _Protocol,
+            local_addr=(self.host, self.port),
+            reuse_port=True,
         )
         self._transport = transport
         self.port = transport.get_extra_info("sockname")[1]

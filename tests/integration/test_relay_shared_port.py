@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from aioice import stun
 
 from libs.bus import Bus
 from libs.bus.auth import RELAY
@@ -124,12 +126,13 @@ async def test_nodus_relay_processes_share_a_port(
     bus: Bus, nats_server: NatsServer, tmp_path: Path
 ) -> None:
     (tmp_path / "mesh.key").write_bytes(os.urandom(32).hex().encode())
-    shared = free_port()
+    shared, stun_port = free_port(), free_udp_port()
 
     def start(name: str) -> subprocess.Popen[bytes]:
         argv = [sys.executable, "-m", "app", "relay", "--nats", nats_server.url, "--name", name]
         argv += ["--credentials", nats_server.user(name, RELAY, name), "--region", "eu"]
         argv += ["--listen", f"127.0.0.1:{free_port()}", "--share-port", str(shared)]
+        argv += ["--stun-port", str(stun_port)]  # one STUN port for the host's relays too
         argv += ["--mesh-key-file", str(tmp_path / "mesh.key")]
         argv += ["--usage-journal", str(tmp_path / f"{name}.usage")]
         return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -154,6 +157,7 @@ async def test_nodus_relay_processes_share_a_port(
             assert record is not None and CAPABILITY_ROUTE in record.value.capabilities
             assert target[1] == f"127.0.0.1:{shared}"
             assert target[2] == base64.b64decode(record.value.public_key)
+            assert record.value.stun_address == f"127.0.0.1:{stun_port}"
             for attempt in range(TRIES):
                 # The relays learn members from the bus: the first tries may be early.
                 client = nodes[attempt % 2].dial(target)
@@ -161,12 +165,30 @@ async def test_nodus_relay_processes_share_a_port(
                 assert client.welcomed_by == name
                 assert client.conn is not None
                 client.conn.close()
+        assert await stun_answers(stun_port)
     finally:
         for process in processes:
             process.terminate()
         for process in processes:
             said = await stderr_once_exited(process, within=15)
             assert "Traceback" not in said, said
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def stun_answers(port: int) -> bool:
+    loop = asyncio.get_running_loop()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+        client.setblocking(False)
+        client.bind(("127.0.0.1", 0))
+        request = stun.Message(stun.Method.BINDING, stun.Class.REQUEST)
+        client.sendto(bytes(request), ("127.0.0.1", port))
+        response = stun.parse_message(await asyncio.wait_for(loop.sock_recv(client, 2048), 5))
+        return response.transaction_id == request.transaction_id
 
 
 def _connects(client: RelayClient):  # type: ignore[no-untyped-def]
@@ -178,3 +200,14 @@ def _connects(client: RelayClient):  # type: ignore[no-untyped-def]
         return True
 
     return connected
+
+
+def test_nodus_relay_refuses_to_share_the_port_mesh_peers_dial(tmp_path: Path) -> None:
+    (tmp_path / "mesh.key").write_bytes(os.urandom(32).hex().encode())
+    port = free_port()
+    argv = [sys.executable, "-m", "app", "relay", "--nats", "nats://127.0.0.1:1", "--region", "eu"]
+    argv += ["--listen", f"127.0.0.1:{port}", "--share-port", str(port)]
+    argv += ["--mesh-key-file", str(tmp_path / "mesh.key")]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert f"--share-port {port} is the --listen port" in done.stderr
