@@ -3,7 +3,8 @@ relays, an agent per machine with its dataplane):
 
 - with four relays (one per core of two relay hosts, say), two gangs get two relays each, the
   least loaded, and carry their probes through them; every relay holds the sessions of one
-  gang's members, instead of the first two relays holding all of them and the others idle;
+  gang's members, instead of the first two relays holding all of them and the others idle,
+  though the four share one port for members and the kernel hands a connection to any;
 - a gang placed while one of two relays is down still gets both: its members home on the
   live one, connect to the other once it is back, and fail over to it (before, such a gang
   had one relay, and no failover, for its whole life)."""
@@ -50,6 +51,10 @@ def test_two_gangs_on_four_relays_use_two_each(tmp_path: Path) -> None:
         # Every relay carries one gang: its two members (each keeps its failover's session).
         sessions = {r: first.metric(r, "nodus_relay_sessions") for r in first.relays()}
         assert sessions == {f"relay-{i}": 2 for i in range(4)}, sessions
+        # The four share one port for members (as on a relay host's 443): the kernel gave most
+        # connections to another relay first, which handed each to the relay its member named.
+        handed = sum(first.metric(r, "nodus_relay_handoffs_total") for r in first.relays())
+        assert handed > 0
         # The operator sees the same spread: one member homed on each relay, live.
         shown = json.loads(get_relays(system.url, "-o", "json"))
         assert [
