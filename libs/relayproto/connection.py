@@ -59,7 +59,9 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.heard = time.monotonic()  # when the peer last sent anything
         self.silent = False  # ended by `keep_alive`: the peer fell silent
-        self.routed = False  # handed on by another relay of a shared port: not again
+        # Handed on by another relay of a shared port (the relay's side: not again; the
+        # member's: it named its relay to another first).
+        self.routed = False
         self._on_made = on_made
         self._frames: list[Frame] = []  # read, not yet handed to the session
         self._unread = 0  # bytes behind them
@@ -218,6 +220,7 @@ class Connection(asyncio.Protocol):
                     if reply is not None:
                         self.send_nowait(reply)
         self._frames[:0] = handshake.take_session_frames()
+        self.routed = handshake.routed
         assert handshake.welcome is not None
         return handshake.welcome
 
