@@ -122,6 +122,22 @@ async def test_a_member_naming_no_relay_of_the_port_is_told_so(
         await client.connect()
 
 
+async def test_a_member_with_a_stale_key_for_its_relay_is_challenged_again_and_admitted(
+    bus: Bus, sharing: tuple[Relay, Relay]
+) -> None:
+    # Its record was read before the relay restarted with a new key: the member names the
+    # relay that challenged it, which challenges it again rather than refusing it.
+    node = Node(GANG, 5, "s")
+    await enrol(bus, GANG, 5, [node])
+    name, address, _ = await door(bus, "relay-b")
+    for _ in range(TRIES):
+        client = node.dial((name, address, os.urandom(32)))
+        await client.connect()
+        assert client.welcomed_by == "relay-b"
+        assert client.conn is not None and client.conn.routed
+        client.conn.close()
+
+
 async def test_nodus_relay_processes_share_a_port(
     bus: Bus, nats_server: NatsServer, tmp_path: Path
 ) -> None:
