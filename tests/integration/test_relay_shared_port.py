@@ -40,6 +40,16 @@ async def door(bus: Bus, name: str) -> RelayDoor:
     return member_door(found.value)
 
 
+async def welcomed(node: Node, target: RelayDoor, by: str) -> bool:
+    """One whole connection through `target`, welcomed by relay `by`; whether it was routed."""
+    client = node.dial(target)
+    await client.connect()
+    assert client.welcomed_by == by
+    assert client.conn is not None
+    client.conn.close()
+    return client.conn.routed
+
+
 @pytest.fixture
 async def sharing(bus: Bus) -> AsyncIterator[tuple[Relay, Relay]]:
     """relay-a and relay-b, meshed on their own ports, sharing a third."""
@@ -73,11 +83,7 @@ async def test_a_member_reaches_each_relay_of_a_shared_port_by_name(
         target = await door(bus, relay.name)
         assert target[1] == sharing[0].shared_address  # one port for both, not their own
         for attempt in range(TRIES):
-            client = nodes[attempt % 2].dial(target)
-            await client.connect()
-            assert client.welcomed_by == relay.name
-            assert client.conn is not None
-            client.conn.close()
+            await welcomed(nodes[attempt % 2], target, by=relay.name)
     # Half of the connections reached the other relay first (it is the kernel's choice), so
     # some were handed on: the test saw the handoff, not two lucky draws.
     assert metric("nodus_relay_handoffs_total") - handed > 0
@@ -131,11 +137,7 @@ async def test_a_member_with_a_stale_key_for_its_relay_is_challenged_again_and_a
     await enrol(bus, GANG, 5, [node])
     name, address, _ = await door(bus, "relay-b")
     for _ in range(TRIES):
-        client = node.dial((name, address, os.urandom(32)))
-        await client.connect()
-        assert client.welcomed_by == "relay-b"
-        assert client.conn is not None and client.conn.routed
-        client.conn.close()
+        assert await welcomed(node, (name, address, os.urandom(32)), by="relay-b")
 
 
 async def test_nodus_relay_processes_share_a_port(
