@@ -14,7 +14,17 @@ from app.output import table
 from libs.client.client import Client
 from libs.contracts.relay import RelayLoad
 
-RELAY_COLUMNS = ["NAME", "REGION", "ADDRESS", "STATUS", "MEMBERS", "CAP MBIT/S", "GANGS", "VERSION"]
+RELAY_COLUMNS = [
+    "NAME",
+    "REGION",
+    "ADDRESS",
+    "SHARED",
+    "STATUS",
+    "MEMBERS",
+    "CAP MBIT/S",
+    "GANGS",
+    "VERSION",
+]
 
 
 def _row(relay: RelayLoad) -> list[str]:
@@ -23,6 +33,7 @@ def _row(relay: RelayLoad) -> list[str]:
         relay.name,
         relay.region,
         relay.address,
+        relay.shared_address or "-",  # the host's port where members dial it, if shared
         status,
         str(relay.members),
         str(relay.cap_mbps),

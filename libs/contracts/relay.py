@@ -127,6 +127,8 @@ class RelayLoad(Record):
     # What the placer balances: the sum of those members' shares of their gangs' caps (G18).
     cap_mbps: int
     gangs: list[str]  # active gangs that name it, as home or failover (Direct: fallback)
+    # Where members dial it when it shares a port with the other relays of its host.
+    shared_address: str = ""
 
 
 class UsageRecord(Record):

@@ -127,6 +127,7 @@ def relay_loads(
             address=r.address,
             version=r.version,
             live=is_live(r, t),
+            shared_address=r.shared_address,
             heartbeat_time=r.heartbeat_time,
             members=members[r.name],
             cap_mbps=load[r.name] * RELAY_GANG_BITS_PER_SECOND // SHARE_UNITS // 1_000_000,

@@ -60,6 +60,7 @@ def test_two_gangs_on_four_relays_use_two_each(tmp_path: Path) -> None:
         assert [
             (r["name"], r["live"], r["members"], r["capMbps"], len(r["gangs"])) for r in shown
         ] == [(f"relay-{i}", True, 1, 500, 1) for i in range(4)], shown
+        assert len({r["sharedAddress"] for r in shown}) == 1  # where every member dialled
         assert "MEMBERS" in get_relays(system.url)
     finally:
         system.stop()
