@@ -255,7 +255,9 @@ async def self_test_async(
         async with asyncio.timeout(_timeout(options) + 15):
             stdout, stderr = await proc.communicate()
     except TimeoutError as exc:
-        proc.kill()
-        await proc.wait()
         raise NetshimCheckError(f"{command[0]} did not finish in time") from exc
+    finally:
+        if proc.returncode is None:  # timed out, or its caller is stopping: no orphan left
+            proc.kill()
+            await asyncio.shield(proc.wait())
     return _decode(stdout, stderr, proc.returncode if proc.returncode is not None else -1)
