@@ -124,3 +124,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if text is not None:
         terminalreporter.write_sep("=", f"figures measured (also in {figures.FILE})")
         terminalreporter.write_line(text)
+
+
+def children() -> set[int]:
+    """This process's child processes, living or not yet reaped (a test that none is left)."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        found |= {int(pid) for pid in (task / "children").read_text().split()}
+    return found

@@ -24,6 +24,7 @@ from typing import TypedDict, Unpack
 import msgspec
 
 from libs.contracts.shim import SelfTestResult
+from libs.runtime.processes import reaped
 
 __all__ = [
     "BUILD_DIR",
@@ -252,12 +253,8 @@ async def self_test_async(
     except OSError as exc:
         raise NetshimCheckError(f"cannot run {command[0]}: {exc}") from exc
     try:
-        async with asyncio.timeout(_timeout(options) + 15):
+        async with reaped(proc), asyncio.timeout(_timeout(options) + 15):
             stdout, stderr = await proc.communicate()
     except TimeoutError as exc:
         raise NetshimCheckError(f"{command[0]} did not finish in time") from exc
-    finally:
-        if proc.returncode is None:  # timed out, or its caller is stopping: no orphan left
-            proc.kill()
-            await asyncio.shield(proc.wait())
     return _decode(stdout, stderr, proc.returncode if proc.returncode is not None else -1)

@@ -33,6 +33,7 @@ from libs.contracts.lifecycle import (
     ShimCheckRequest,
     StopRequest,
 )
+from libs.runtime.processes import reaped
 from services.agent.probeserver import ProbeServer
 from services.agent.ranks import RankRunner
 
@@ -210,13 +211,10 @@ class GangWork:
         )
         timeout = request.readiness_seconds + request.sample_seconds + 30
         try:
-            stdout, stderr = await asyncio.wait_for(process.communicate(), timeout)
+            async with reaped(process):  # timed out, or the agent is stopping: no orphan
+                stdout, stderr = await asyncio.wait_for(process.communicate(), timeout)
         except TimeoutError:
             return PairResult(a=self.node, b=request.peer, ok=False, error="probe timed out"), False
-        finally:
-            if process.returncode is None:  # timed out, or the agent is stopping: no orphan
-                process.kill()
-                await asyncio.shield(process.wait())
         try:
             result = json.loads(stdout.decode().strip().splitlines()[-1])
         except (ValueError, IndexError):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.providers import HostRebootReply, HostRebootRequest
+from libs.runtime.processes import reaped
 from services.agent.ranks import RankRunner
 
 log = logging.getLogger("nodus.agent.hostpower")
@@ -92,10 +93,9 @@ async def _run(command: Sequence[str]) -> tuple[int, str]:
     except OSError as error:
         return 127, f"{command[0]}: {error.strerror}"
     try:
-        _, err = await asyncio.wait_for(process.communicate(), COMMAND_SECONDS)
+        async with reaped(process):
+            _, err = await asyncio.wait_for(process.communicate(), COMMAND_SECONDS)
     except TimeoutError:
-        process.kill()
-        await process.wait()
         return -1, f"did not return within {COMMAND_SECONDS:g} s"
     return process.returncode or 0, err.decode(errors="replace")
 

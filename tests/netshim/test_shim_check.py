@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from libs import netshim
+from tests.conftest import children
 from tests.netshim.support import PROGRAMS, clean_env
 
 pytestmark = pytest.mark.timeout(60)
@@ -165,24 +166,16 @@ async def test_async_self_test(shim: Path) -> None:
     assert result.ok
 
 
-def _children() -> set[int]:
-    """This process's living children (zombies, which a wait would reap, included)."""
-    found: set[int] = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        found |= {int(pid) for pid in (task / "children").read_text().split()}
-    return found
-
-
 async def test_a_self_test_cancelled_leaves_no_process_behind(shim: Path) -> None:
     # The agent stopping while a launcher's self-test runs: the check is killed and reaped.
-    before = _children()
+    before = children()
     check = asyncio.create_task(netshim.self_test_async(["/bin/sh", "-c", "sleep 30"]))
     for _ in range(100):
-        if _children() - before:
+        if children() - before:
             break
         await asyncio.sleep(0.05)
-    assert _children() - before, "the self-test never started"
+    assert children() - before, "the self-test never started"
     check.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await check
-    assert _children() - before == set()
+    assert children() - before == set()

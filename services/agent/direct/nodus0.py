@@ -17,6 +17,7 @@ from pathlib import Path
 
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import WireGuardInfo
+from libs.runtime.processes import reaped
 from libs.runtime.streams import close_stream
 from libs.wg.uapi import (
     GET,
@@ -53,7 +54,11 @@ async def _run(*argv: str, stdin: bytes | None = None) -> str:
         )
     except FileNotFoundError:
         raise _fail(f"{argv[0]} is not installed (deploy/dev/system-deps.sh)") from None
-    stdout, stderr = await asyncio.wait_for(process.communicate(stdin), UAPI_TIMEOUT)
+    try:
+        async with reaped(process):
+            stdout, stderr = await asyncio.wait_for(process.communicate(stdin), UAPI_TIMEOUT)
+    except TimeoutError:
+        raise _fail(f"{' '.join(argv)} did not answer in {UAPI_TIMEOUT:g} s (killed)") from None
     if process.returncode != 0:
         raise _fail(f"{' '.join(argv)} failed: {stderr.decode(errors='replace').strip()}")
     return stdout.decode(errors="replace")

@@ -31,6 +31,7 @@ from prometheus_client import Gauge
 
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import WireGuardInfo
+from libs.runtime.processes import reaped
 
 log = logging.getLogger("nodus.agent.wireguard")
 
@@ -77,10 +78,9 @@ async def _output(*argv: str) -> tuple[int, str]:
     except FileNotFoundError:
         return 127, f"{argv[0]} is not installed"
     try:
-        out, _ = await asyncio.wait_for(process.communicate(), PROBE_TIMEOUT)
+        async with reaped(process):
+            out, _ = await asyncio.wait_for(process.communicate(), PROBE_TIMEOUT)
     except TimeoutError:
-        process.kill()
-        await process.wait()
         return -1, f"{' '.join(argv)} did not answer in {PROBE_TIMEOUT:g} s"
     return process.returncode or 0, out.decode(errors="replace").strip()
 

@@ -32,6 +32,7 @@ from libs.contracts.providers import (
     ProviderOp,
 )
 from libs.contracts.remediation import Action, MachineState
+from libs.runtime.processes import reaped
 from services.remediator.provider import ProviderError
 from services.remediator.providers.ops import MAX_TEXT, Ledger, tail
 
@@ -132,18 +133,14 @@ class ExecProvider:
         except OSError as error:
             raise ProviderError(f"{argv[0]} could not be started: {error.strerror}") from None
         try:
-            out, err = await asyncio.wait_for(
-                process.communicate(encode(request) + b"\n"), self.settings.timeout_seconds
-            )
+            async with reaped(process, lambda: _kill(process.pid)):
+                out, err = await asyncio.wait_for(
+                    process.communicate(encode(request) + b"\n"), self.settings.timeout_seconds
+                )
         except TimeoutError:
-            _kill(process.pid)
-            await process.wait()
             raise ProviderError(
                 f"{argv[0]} did not finish within {self.settings.timeout_seconds:g} s (killed)"
             ) from None
-        except BaseException:
-            _kill(process.pid)
-            raise
         assert process.returncode is not None
         return (
             process.returncode,
