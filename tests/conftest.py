@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,3 +134,19 @@ def children() -> set[int]:
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
         found |= {int(pid) for pid in (task / "children").read_text().split()}
     return found
+
+
+async def left_when_cancelled(work: Coroutine[Any, Any, object]) -> set[int]:
+    """Run `work` until it has started a child process, cancel it, and say which of its
+    children are still there (a daemon stopping must leave none)."""
+    before = children()
+    task = asyncio.create_task(work)
+    for _ in range(200):
+        if children() - before:
+            break
+        await asyncio.sleep(0.025)
+    assert children() - before, "its process never started"
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return children() - before
