@@ -283,7 +283,7 @@ class Relay:
         try:
             if self.shared is None:
                 raise HandOffError(f"relay {self.name} shares no port with other relays")
-            self.shared.hand_off(conn, relay)
+            await self.shared.hand_off(conn, relay)
             HANDOFFS.inc()
         except HandOffError as error:
             REFUSED.labels("no_such_relay").inc()

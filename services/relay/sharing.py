@@ -25,6 +25,7 @@ log = logging.getLogger("nodus.relay.sharing")
 
 _UCRED = struct.Struct("iII")  # pid, uid, gid
 ROUTED = b"routed"  # the payload beside a handed-on connection: it was routed once already
+HANDOFF_WAIT = 2.0  # seconds a connection waits at a busy sibling's door before it is refused
 
 
 def door(port: int, name: str) -> str:
@@ -71,27 +72,33 @@ class SharedPort:
         for task in self._pending:
             task.cancel()
 
-    def hand_off(self, conn: Connection, sibling: str) -> None:
+    async def hand_off(self, conn: Connection, sibling: str) -> None:
         """Pass `conn` to `sibling` and let go of it here. Raises HandOffError."""
         transport = conn.transport
         sock = transport.get_extra_info("socket") if transport is not None else None
         if sock is None or conn.closed:
             raise HandOffError("the connection closed before it could be handed on")
         fd = os.dup(sock.fileno())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HANDOFF_WAIT
         try:
-            rights = array.array("i", [fd]).tobytes()
-            self._hand.sendmsg(
-                [ROUTED],
-                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)],
-                0,
-                door(self.port, sibling),
-            )
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+            while True:
+                try:
+                    self._hand.sendmsg([ROUTED], rights, 0, door(self.port, sibling))
+                    break
+                except BlockingIOError:
+                    # Its door holds few connections (net.unix.max_dgram_qlen, 10 by default)
+                    # until its loop takes them: a burst of members waits its turn.
+                    if loop.time() > deadline:
+                        raise HandOffError(
+                            f"relay {sibling!r} took no connection for {HANDOFF_WAIT:g} s"
+                        ) from None
+                    await asyncio.sleep(0.002)
         except (ConnectionRefusedError, FileNotFoundError):
             raise HandOffError(
                 f"no relay named {sibling!r} shares port {self.port} on this host"
             ) from None
-        except BlockingIOError:
-            raise HandOffError(f"relay {sibling!r} is not taking connections") from None
         finally:
             os.close(fd)  # the message in flight holds the connection now
         conn.close()  # this process's hold on it: the socket lives on in the sibling

@@ -89,6 +89,21 @@ async def test_a_member_reaches_each_relay_of_a_shared_port_by_name(
     assert metric("nodus_relay_handoffs_total") - handed > 0
 
 
+async def test_a_burst_of_members_through_a_shared_port_all_reach_their_relay(
+    bus: Bus, sharing: tuple[Relay, Relay]
+) -> None:
+    # A relay host's members reconnecting at once (their relay restarted): each handoff waits
+    # its turn at the sibling's door, which holds ten, instead of being refused.
+    nodes = [Node(GANG, 6, f"b{i}") for i in range(8)]
+    await enrol(bus, GANG, 6, nodes)
+    target = await door(bus, "relay-b")
+    await welcomed(nodes[0], target, by="relay-b")  # relay-b has read the members' records
+    routed = await asyncio.gather(
+        *(welcomed(nodes[i % len(nodes)], target, by="relay-b") for i in range(120))
+    )
+    assert sum(routed) > 20  # about half went to relay-a first and were handed on
+
+
 async def test_traffic_flows_between_members_homed_through_a_shared_port(
     bus: Bus, sharing: tuple[Relay, Relay]
 ) -> None:
