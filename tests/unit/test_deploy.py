@@ -54,6 +54,21 @@ def test_relays_spread_across_zones_and_services_run_replicas() -> None:
         assert by_name[("Deployment", f"nodus-{component}")]["spec"]["replicas"] >= 2
 
 
+def test_each_relay_pod_uses_the_bus_user_of_its_own_node() -> None:
+    # Relays are named after their node and their bus users after the relay: one seed for
+    # every pod would start one relay and refuse the others.
+    by_name = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    pod = by_name[("Deployment", "nodus-relay")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert args[args.index("--name") + 1] == "$(NODE_NAME)"
+    env = [e["name"] for e in container["env"]]
+    credentials = next(e["value"] for e in container["env"] if e["name"] == "NODUS_CREDENTIALS")
+    assert credentials == "/etc/nodus/credentials/$(NODE_NAME).nk"
+    # Kubernetes expands $(NODE_NAME) only from a variable defined before it.
+    assert env.index("NODE_NAME") < env.index("NODUS_CREDENTIALS")
+
+
 def test_the_nats_chart_values_ask_for_a_tls_cluster_of_three_with_jetstream() -> None:
     values = yaml.safe_load((DEPLOY / "kubernetes" / "nats-values.yaml").read_text())["config"]
     assert values["cluster"]["enabled"] and values["cluster"]["replicas"] == 3
