@@ -179,7 +179,8 @@ class Relay:
         self._tasks.spawn(self._announce(), name="announce")
         self._tasks.spawn(self._sweep_silent(), name="sweep silent members")
         self._tasks.spawn(self.mesh.run(), name="mesh links")
-        log.info("relay %s (%s) listening on %s", self.name, self.region, self.address)
+        shared = f", members also on {self.shared_address} (shared)" if self.shared else ""
+        log.info("relay %s (%s) listening on %s%s", self.name, self.region, self.address, shared)
 
     async def _share_port(self, port: int) -> None:
         accepted = self._accepted
