@@ -77,9 +77,9 @@ async def joined(client: Client, node: str) -> JoinedEpochsReply:
     )
 
 
-async def test_512_mib_each_way_survive_the_relay_carrying_them_being_killed(
-    tmp_path: Path,
-) -> None:
+async def running_gang(tmp_path: Path, name: str) -> tuple[LocalSystem, Client]:
+    """The system up and a Relayed gang of vast-a and lam-b Running (its probe done: the
+    probe's bytes come before the test's)."""
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(yaml.safe_dump(FLEET))
     system = LocalSystem(
@@ -90,26 +90,31 @@ async def test_512_mib_each_way_survive_the_relay_carrying_them_being_killed(
     try:
         await client.apply(
             job(
-                "big",
+                name,
                 org="acme",
                 command=["sleep", "600"],  # outlives the test: the gang stays up while we stream
                 accelerators={"model": "L4"},
                 distributed={"members": 2, "transport": "Auto"},
             )
         )
-        for _ in range(300):
-            replies = [await joined(client, n) for n in ("vast-a", "lam-b")]
-            if all(r.epochs and r.epochs[0].relay for r in replies):
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise AssertionError("the members' tunnels never came up")
-        for _ in range(600):  # the probe done: its bytes are the probe's, before ours
-            placed = await client.get_job("big")
-            if placed.status.phase is not Phase.PLACED and placed.status.phase is not Phase.PROBING:
+        for _ in range(600):
+            placed = await client.get_job(name)
+            if placed.status.phase not in (Phase.PENDING, Phase.PLACED, Phase.PROBING):
                 break
             await asyncio.sleep(0.1)
         assert placed.status.phase is Phase.RUNNING, placed.status
+    except BaseException:
+        await client.close()
+        system.stop()
+        raise
+    return system, client
+
+
+async def test_512_mib_each_way_survive_the_relay_carrying_them_being_killed(
+    tmp_path: Path,
+) -> None:
+    system, client = await running_gang(tmp_path, "big")
+    try:
         # The probe's last bytes may still be in the tunnel as it reports: billed before ours.
         billed_before = await settled_bills(client)
         records = {r.inventory.node: r for r, _, _ in await client.list_nodes()}
@@ -184,6 +189,77 @@ async def test_512_mib_each_way_survive_the_relay_carrying_them_being_killed(
             await asyncio.sleep(0.2)
         for node in ("vast-a", "lam-b"):
             assert SIZE <= bills[node] <= SIZE * 1.001, (node, bills[node] / SIZE)
+    finally:
+        await client.close()
+        system.stop()
+
+
+async def test_a_member_moves_home_under_a_stream_once_its_relay_is_back(tmp_path: Path) -> None:
+    """A relay restarted (an upgrade, a crash): its members failed over to the other relay,
+    and once it is back and stays up they move home to it, so the placer's spread of gangs
+    over the relays holds. The stream carried through both moves arrives whole, in order, on
+    one connection, and is billed once."""
+    system, client = await running_gang(tmp_path, "back")
+    try:
+        billed_before = await settled_bills(client)
+        records = {r.inventory.node: r for r, _, _ in await client.list_nodes()}
+        socks = records["vast-a"].socks_endpoint.rsplit(":", 1)
+        received, count, done = hashlib.sha256(), [0], asyncio.Event()
+
+        async def member_b(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while data := await reader.read(1 << 18):
+                received.update(data)
+                count[0] += len(data)
+            writer.close()
+            done.set()
+
+        server = await asyncio.start_server(member_b, "127.0.1.32", 0)
+        port = server.sockets[0].getsockname()[1]
+        sent, sent_count = hashlib.sha256(), 0
+        async with server:
+            code, _, writer = await socks_connect((socks[0], int(socks[1])), "127.0.1.32", port)
+            assert code == 0
+            home = (await joined(client, "vast-a")).epochs[0].relay
+            assert home is not None
+            carrying = next(c for c in system.children if c.name == home)
+            moves: list[str | None] = []
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 90
+            index = 0
+            while loop.time() < deadline:
+                data = block(index)
+                writer.write(data)
+                await writer.drain()
+                sent.update(data)
+                sent_count += len(data)
+                index += 1
+                if index == 64:
+                    os.kill(carrying.process.pid, signal.SIGKILL)
+                    system.restart(carrying.name)  # back at once, as its supervisor would
+                elif index > 64 and index % 16 == 0:
+                    now_home = (await joined(client, "vast-a")).epochs[0].relay
+                    if not moves or moves[-1] != now_home:
+                        moves.append(now_home)
+                    if now_home == home and len(moves) > 1:
+                        break  # moved away, then home again, all under the stream
+            returned = moves[-1] == home and len(moves) > 1
+            for extra in range(32):  # and the stream goes on from there
+                data = block(index + extra)
+                writer.write(data)
+                await writer.drain()
+                sent.update(data)
+                sent_count += len(data)
+            writer.write_eof()
+            await asyncio.wait_for(done.wait(), 120)
+            writer.close()
+        assert returned, f"vast-a's homes after {home} was restarted: {moves}"
+        assert count[0] == sent_count and received.hexdigest() == sent.hexdigest()
+        for _ in range(100):  # billed once: the resends of both moves are not the user's
+            bill = (await billed(client)).get("vast-a", 0) - billed_before.get("vast-a", 0)
+            if sent_count <= bill <= sent_count * 1.001:
+                break
+            await asyncio.sleep(0.2)
+        assert sent_count <= bill <= sent_count * 1.001, bill / sent_count
     finally:
         await client.close()
         system.stop()

@@ -1,5 +1,6 @@
 """A Relayed member homes on the relay the placer chose for its gang (the first it is given),
-even when the other answers first; if that one does not come up in its grace, the other."""
+even when the other answers first; if that one does not come up in its grace, the other; and
+after a failover, home again on the chosen one once it is back and stays up."""
 
 from __future__ import annotations
 
@@ -69,4 +70,44 @@ async def test_after_losing_every_relay_the_first_back_is_home_again(monkeypatch
     come_up(home, other)  # back: home again once the chosen one's grace has passed
     await asyncio.sleep(0.1)
     assert home.home is cast(Any, other)
+    home.close()
+
+
+def lose(home: RelayHome, relay: FakeRelay) -> None:
+    relay.up = False
+    home._down(cast(Any, relay))
+
+
+def failed_over_and_back(monkeypatch: Any) -> tuple[RelayHome, FakeRelay, FakeRelay]:
+    """A member homed on its chosen relay, failed over to the other, the chosen one back."""
+    monkeypatch.setattr(homing, "RETURN_HOME_SECONDS", 0.05)
+    chosen, other = FakeRelay("relay-b"), FakeRelay("relay-a")
+    home = relay_home(chosen, other)
+    come_up(home, chosen)
+    come_up(home, other)
+    lose(home, chosen)
+    assert home.home is cast(Any, other) and other.homed == [True]  # the failover
+    come_up(home, chosen)
+    return home, chosen, other
+
+
+async def test_after_a_failover_the_member_moves_home_once_its_relay_stays_up(
+    monkeypatch: Any,
+) -> None:
+    # The placer spread gangs by their chosen relays; a restart of one (an upgrade) must not
+    # leave every member it had on the other for good.
+    home, chosen, other = failed_over_and_back(monkeypatch)
+    assert home.home is cast(Any, other), "not before it has stayed up"
+    await asyncio.sleep(0.1)
+    assert home.home is cast(Any, chosen) and chosen.homed == [False, False]
+    home.close()
+
+
+async def test_a_chosen_relay_that_goes_down_again_at_once_is_not_moved_to(
+    monkeypatch: Any,
+) -> None:
+    home, chosen, other = failed_over_and_back(monkeypatch)
+    lose(home, chosen)  # restarting again
+    await asyncio.sleep(0.1)
+    assert home.home is cast(Any, other) and chosen.homed == [False]
     home.close()

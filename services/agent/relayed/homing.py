@@ -1,6 +1,8 @@
 """A member's two relays and which one is home: both kept connected, the home one carrying
 the tunnel; when it dies the tunnel moves to the other at once (make-before-break, G16) and
-whoever waits for a peer to be reachable is woken."""
+whoever waits for a peer to be reachable is woken. When the relay the placer chose is back
+and stays up, the tunnel moves home to it again, so the placer's spread of gangs over the
+relays holds after a relay restarts (an upgrade, a crash)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,16 @@ log = logging.getLogger("nodus.agent.tunnel")
 # spreads gangs across relays by which one they home on) before taking the other.
 HOME_GRACE_SECONDS = 1.0
 
+# The chosen relay back must stay up this long before the tunnel moves home to it: a relay
+# that keeps restarting is not moved to and from.
+RETURN_HOME_SECONDS = 5.0
+
 FAILOVERS = Counter("nodus_agent_relay_failovers_total", "Moves to the other relay", ["node"])
+RETURNS = Counter(
+    "nodus_agent_relay_returns_total",
+    "Moves back to the relay the placer chose once it was up again",
+    ["node"],
+)
 
 
 class RelayHome:
@@ -36,6 +47,7 @@ class RelayHome:
         self.relays = relays
         self.home: RelayClient | None = None
         self._grace: asyncio.TimerHandle | None = None
+        self._return: asyncio.TimerHandle | None = None
         self._moved = moved
         self._reachability = asyncio.Event()  # pulsed when a relay or a peer comes or goes
 
@@ -44,8 +56,9 @@ class RelayHome:
             tasks.spawn(relay.keep(self._up, self._down, log), name=f"relay {relay.name}")
 
     def close(self) -> None:
-        if self._grace is not None:
-            self._grace.cancel()
+        for timer in (self._grace, self._return):
+            if timer is not None:
+                timer.cancel()
         for relay in self.relays:
             relay.close()
 
@@ -87,6 +100,10 @@ class RelayHome:
 
     def _up(self, relay: RelayClient) -> None:
         if self.home is not None:
+            if relay is self.relays[0] and self._return is None:
+                self._return = asyncio.get_running_loop().call_later(
+                    RETURN_HOME_SECONDS, self._return_home
+                )
             return
         if relay is self.relays[0]:
             self._make_home(relay, failover=False)
@@ -101,7 +118,21 @@ class RelayHome:
             if relay is not None:
                 self._make_home(relay, failover=False)
 
+    def _return_home(self) -> None:
+        """The chosen relay stayed up: carry the tunnel there again (both are connected, so
+        nothing waits for a connection; what is unacknowledged is sent again, as on a
+        failover)."""
+        self._return = None
+        chosen = self.relays[0]
+        if self.home is not None and self.home is not chosen and chosen.up:
+            RETURNS.labels(self.node).inc()
+            log.info("relay %s is back; moving home to it from %s", chosen.name, self.home.name)
+            self._make_home(chosen, failover=False)
+
     def _down(self, relay: RelayClient) -> None:
+        if relay is self.relays[0] and self._return is not None:
+            self._return.cancel()  # down again before it was moved to
+            self._return = None
         if self.home is relay:
             self._failover(relay)
 
