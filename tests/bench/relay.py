@@ -39,7 +39,10 @@ runner's own probe (a short throughput sample through the same tunnels, reported
                            mid-stream: the longest interval with no byte delivered at each
                            receiver around the kill (and the longest before it, for scale), and
                            the time from the kill until each agent's `epochs` reply names the
-                           other relay (polled every POLL seconds)
+                           other relay (polled every POLL seconds). The relay is started again
+                           at once: the time until its members are homed on it again (they
+                           wait RETURN_HOME_SECONDS of it up) and the longest gap around that
+                           move, still under the stream
 
 Every stream is a deterministic 16 MiB pattern behind an 8-byte flow id; the receiver checks
 every byte in order and counts them against what was sent (`intact`). Goodput is measured at
@@ -93,7 +96,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--kill-at", type=float, default=4.0, help="failover: seconds into the stream"
     )
     parser.add_argument(
-        "--failover-seconds", type=float, default=10.0, help="failover: length of the stream"
+        "--failover-seconds",
+        type=float,
+        default=16.0,
+        help="failover: length of the stream (long enough for the members' return home)",
     )
     parser.add_argument(
         "--only",

@@ -258,6 +258,32 @@ async def cap_on(bench: Bench) -> dict[str, Any]:
     return result
 
 
+async def _returns(
+    bench: Bench, before: dict[str, str | None], victim: str, until: float
+) -> dict[str, float | None]:
+    """When each member homed on `victim` before it was killed was homed on it again (the
+    relay back and up for the agents' wait), polled until `until`; None if not by then."""
+    returned: dict[str, float | None] = {n: None for n, home in before.items() if home == victim}
+    while time.monotonic() < until and None in returned.values():
+        for node in [n for n, t in returned.items() if t is None]:
+            try:
+                if await bench.joined(node) == victim:
+                    returned[node] = time.monotonic()
+            except Exception:  # the agent busy: ask again
+                continue
+        await asyncio.sleep(POLL)
+    return returned
+
+
+def _gap_around(flow: Flow, returned: dict[str, float | None], stop: float) -> float | None:
+    """The longest interval with no byte delivered within 0.5 s of the first return home."""
+    moments = [t for t in returned.values() if t is not None and t < stop]
+    if not moments:
+        return None
+    at = min(moments)
+    return longest_gap_ms(flow, at - 0.5, min(at + 0.5, stop))
+
+
 async def failover(bench: Bench, gang: Gang, a_to_b: FlowSpec, b_to_a: FlowSpec) -> dict[str, Any]:
     before = await bench.homes(list(gang.nodes))
     victim = before[gang.nodes[0]]
@@ -289,7 +315,18 @@ async def failover(bench: Bench, gang: Gang, a_to_b: FlowSpec, b_to_a: FlowSpec)
         # caller) would: it publishes what it metered before the kill (billing.py).
         assert bench.system is not None
         bench.system.restart(victim)
-        return {"killed_at": killed, "time_to_move_s": moved, "homes_after": reported}
+        restarted = time.monotonic()
+        returned = await _returns(bench, before, victim, t0 + bench.args.failover_seconds)
+        return {
+            "killed_at": killed,
+            "time_to_move_s": moved,
+            "homes_after": reported,
+            "restarted_at": restarted,
+            "returned_at": returned,
+            "time_to_return_s": {
+                n: round(t - restarted, 3) if t is not None else None for n, t in returned.items()
+            },
+        }
 
     measure = await bench.relayed(
         [gang],
@@ -301,6 +338,8 @@ async def failover(bench: Bench, gang: Gang, a_to_b: FlowSpec, b_to_a: FlowSpec)
     )
     action = measure["action"]
     killed = action.pop("killed_at")
+    action.pop("restarted_at")
+    returned = action.pop("returned_at")
     flows: dict[str, Flow] = measure["_flows"]
     gaps: dict[str, Any] = {}
     t0 = killed - bench.args.kill_at
@@ -320,6 +359,8 @@ async def failover(bench: Bench, gang: Gang, a_to_b: FlowSpec, b_to_a: FlowSpec)
             "mbit_s_after_kill": rate_between(flow, killed, killed + after),
             "after_kill_window_s": round(after, 3),
             "bytes_after_kill": flow.received - at_kill,
+            # The members moved home again, under the stream, once the relay was back.
+            "longest_gap_around_return_ms": _gap_around(flow, returned, stop),
             "intact": flow.intact and flow.sent == flow.received,
         }
     return {
