@@ -94,6 +94,12 @@ RELAYS = {
             "{{daemon}}",
         ),
         Graph(
+            "Members handed to their relay on the host's shared port",
+            _rate("nodus_relay_handoffs_total", "daemon"),
+            "ops",
+            "{{daemon}}",
+        ),
+        Graph(
             "STUN requests, by outcome",
             _rate("nodus_relay_stun_requests_total", "outcome"),
             "reqps",
@@ -116,6 +122,12 @@ AGENTS = {
         Graph(
             "Relay failovers",
             _rate("nodus_agent_relay_failovers_total", "node"),
+            "ops",
+            "{{node}}",
+        ),
+        Graph(
+            "Returns home to the chosen relay",
+            _rate("nodus_agent_relay_returns_total", "node"),
             "ops",
             "{{node}}",
         ),
