@@ -231,6 +231,21 @@ class Link:
         self._unsent = self._fresh = 0
         return self._packed(resent), self._packed(fresh)
 
+    def acknowledgement_parts(self) -> list[Payload]:
+        """The acknowledgement alone, if one is due: what a sender whose numbered messages
+        wait (a move to another relay, once what is in flight is acknowledged) still sends,
+        so the peer's own messages keep flowing meanwhile."""
+        if not self._ack_due:
+            return []
+        self._ack_due = False
+        self._since_ack = 0
+        return [[HEADER.pack(ACK, self._expected, 0, 0)]]
+
+    @property
+    def awaiting_acknowledgement(self) -> int:
+        """Messages transmitted and not yet acknowledged (those never transmitted left out)."""
+        return len(self._unacked) - self._fresh
+
     def _packed(self, messages: list[Message]) -> list[Payload]:
         payloads: list[Payload] = []
         batch: Payload = []

@@ -270,9 +270,8 @@ def test_next_deadline_says_when_tick_has_work() -> None:
     assert pair.a.next_deadline(5.0) is None  # acknowledged: nothing left to time
 
 
-def test_what_is_sent_again_after_a_path_change_comes_apart_from_what_is_new() -> None:
-    """The member counts what its programs sent once (the relays bill that): resends go in
-    payloads of their own, ahead of the fresh messages."""
+def opened() -> tuple[Link, Link, int]:
+    """Two links and a stream a opened to b, its open acknowledged."""
     a, b = Link(0), Link(1)
     stream = a.open_stream(80)
     for event in [e for p in a.outgoing() for e in b.receive(p)]:
@@ -280,6 +279,13 @@ def test_what_is_sent_again_after_a_path_change_comes_apart_from_what_is_new() -
     b.keepalive()  # acknowledges the open
     for payload in b.outgoing():
         a.receive(payload)
+    return a, b, stream
+
+
+def test_what_is_sent_again_after_a_path_change_comes_apart_from_what_is_new() -> None:
+    """The member counts what its programs sent once (the relays bill that): resends go in
+    payloads of their own, ahead of the fresh messages."""
+    a, b, stream = opened()
     a.send(stream, b"x" * 1000)
     resent, fresh = (list(map(b"".join, part)) for part in a.outgoing_parts())
     assert resent == [] and sum(map(len, fresh)) == 1000 + HEADER.size  # lost on a dead relay
@@ -290,6 +296,34 @@ def test_what_is_sent_again_after_a_path_change_comes_apart_from_what_is_new() -
     assert sum(map(len, fresh)) == 500 + HEADER.size
     got = [e for p in resent + fresh for e in b.receive(p) if isinstance(e, Data)]
     assert b"".join(e.data for e in got) == b"x" * 1000 + b"y" * 500
+
+
+def test_a_sender_holding_its_messages_still_acknowledges_and_learns_when_it_may_move() -> None:
+    """A move home to a relay back up: the sender holds its numbered messages until what is
+    in flight is acknowledged, acknowledging the peer's meanwhile, then sends the held ones
+    on the new path; nothing is sent twice, and the peer takes them in order."""
+    a, b, stream = opened()
+    a.send(stream, b"x" * 1000)
+    in_flight = b"".join(b"".join(p) for p in a.outgoing_parts()[1])
+    assert a.awaiting_acknowledgement == 1
+    a.send(stream, b"y" * 500)  # held: a.outgoing_parts() is not called while moving
+    assert a.awaiting_acknowledgement == 1  # the held message is not in flight
+    b.send(stream, b"z" * 10)  # the peer sends too
+    for payload in b.outgoing():
+        a.receive(payload)  # b's data (b has not had the x's yet)
+    a.tick(0.0)  # its timers: an acknowledgement is owed
+    ack = a.acknowledgement_parts()
+    assert len(ack) == 1 and a.acknowledgement_parts() == []  # due once, numbered nothing
+    got = b.receive(in_flight)  # the old path delivers what was in flight
+    b.keepalive()
+    for payload in b.outgoing():
+        a.receive(payload)
+    assert a.awaiting_acknowledgement == 0  # now it may move
+    resent, fresh = a.outgoing_parts()
+    assert resent == []
+    got += [e for p in fresh for e in b.receive(b"".join(p))]
+    data = b"".join(e.data for e in got if isinstance(e, Data))
+    assert data == b"x" * 1000 + b"y" * 500 and b.stats["duplicates"] == 0
 
 
 def test_what_the_link_keeps_to_resend_does_not_change_with_the_callers_buffer() -> None:

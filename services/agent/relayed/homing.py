@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import Counter
 
 from libs.relayproto.client import RelayClient
 from libs.runtime.tasks import TaskSet
+from libs.tunnel import Link
 
 log = logging.getLogger("nodus.agent.tunnel")
 
@@ -25,6 +26,9 @@ HOME_GRACE_SECONDS = 1.0
 # The chosen relay back must stay up this long before the tunnel moves home to it: a relay
 # that keeps restarting is not moved to and from.
 RETURN_HOME_SECONDS = 5.0
+# A move home waits at most this long for what is in flight through the current relay to be
+# acknowledged (then it sends it again through the new home, as a failover does).
+RETURN_DRAIN_SECONDS = 1.0
 
 FAILOVERS = Counter("nodus_agent_relay_failovers_total", "Moves to the other relay", ["node"])
 RETURNS = Counter(
@@ -40,15 +44,20 @@ class RelayHome:
         node: str,
         relays: list[RelayClient],
         moved: Callable[[], None],
+        plan_return: Callable[[RelayClient], None] | None = None,
     ) -> None:
         """`moved` runs once a relay became home: every link resends what is not acknowledged.
-        The first of `relays` is the one to home on when it is up; the others are failovers."""
+        The first of `relays` is the one to home on when it is up; the others are failovers.
+        `plan_return`: asked to move home to the chosen relay back up, it calls `go_home` once
+        what is in flight through the current one is acknowledged (none of it is sent again);
+        without it, the move is at once, like a failover."""
         self.node = node
         self.relays = relays
         self.home: RelayClient | None = None
         self._grace: asyncio.TimerHandle | None = None
         self._return: asyncio.TimerHandle | None = None
         self._moved = moved
+        self._plan_return = plan_return
         self._reachability = asyncio.Event()  # pulsed when a relay or a peer comes or goes
 
     def keep(self, tasks: TaskSet) -> None:
@@ -125,9 +134,25 @@ class RelayHome:
         self._return = None
         chosen = self.relays[0]
         if self.home is not None and self.home is not chosen and chosen.up:
-            RETURNS.labels(self.node).inc()
-            log.info("relay %s is back; moving home to it from %s", chosen.name, self.home.name)
+            if self._plan_return is None:
+                self.go_home(resend=True)
+            else:
+                self._plan_return(chosen)
+
+    def go_home(self, resend: bool) -> None:
+        """Home on the chosen relay again, if it is up and not home already. `resend`: what is
+        unacknowledged goes again through it (False: it was all acknowledged first)."""
+        chosen, was = self.relays[0], self.home
+        if was is None or was is chosen or not chosen.up:
+            return
+        RETURNS.labels(self.node).inc()
+        log.info("relay %s is back; moving home to it from %s", chosen.name, was.name)
+        if resend:
             self._make_home(chosen, failover=False)
+        else:
+            self.home = chosen
+            chosen.home(False)
+            self._pulse()
 
     def _down(self, relay: RelayClient) -> None:
         if relay is self.relays[0] and self._return is not None:
@@ -156,3 +181,54 @@ class RelayHome:
                 self._make_home(relay, failover=True)
                 return
         log.warning("relay %s lost and no other relay is up", lost.name)
+
+
+class ReturnHome:
+    """A move home to the chosen relay back up, made once what is in flight through the
+    current one is acknowledged: meanwhile the tunnel sends acknowledgements only, and its
+    numbered messages wait. The link is go-back-N, so a move at once would send the whole
+    window again (the peer's programs would wait for it, as after a failover); this way none
+    of it is sent twice and the wait is the acknowledgements' way back."""
+
+    def __init__(
+        self, relays: RelayHome, links: Callable[[], Iterable[Link]], flush: Callable[[], None]
+    ) -> None:
+        self._relays = relays
+        self._links = links
+        self._flush = flush
+        self._deadline: asyncio.TimerHandle | None = None
+        self._began = 0.0
+
+    @property
+    def under_way(self) -> bool:
+        return self._deadline is not None
+
+    def plan(self, relay: RelayClient) -> None:
+        if self._deadline is None:
+            loop = asyncio.get_running_loop()
+            self._deadline = loop.call_later(RETURN_DRAIN_SECONDS, self._finish, True)
+            self._began = time.monotonic()
+            self.check()
+
+    def check(self) -> None:
+        """After acknowledgements came: the move, if nothing is awaited any more."""
+        if self._deadline is not None and not any(
+            link.awaiting_acknowledgement for link in self._links()
+        ):
+            self._finish(resend=False)
+
+    def stop(self) -> None:
+        """A failover moved the tunnel meanwhile (it resends what is unacknowledged)."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _finish(self, resend: bool) -> None:
+        self.stop()
+        waited = (time.monotonic() - self._began) * 1000
+        if resend:
+            log.warning("in flight not acknowledged within %.0f ms: sent again", waited)
+        else:
+            log.info("in flight acknowledged in %.0f ms", waited)
+        self._relays.go_home(resend)
+        self._flush()

@@ -37,7 +37,7 @@ from libs.tunnel import (
     Reset,
     StreamOpened,
 )
-from services.agent.relayed.homing import RelayHome
+from services.agent.relayed.homing import RelayHome, ReturnHome
 from services.agent.relayed.localstream import LocalStream
 from services.agent.relayed.sockets import STREAM_RESETS, Bridge, LocalSockets, Peer
 from services.agent.relayed.timers import Timers
@@ -120,7 +120,12 @@ class Tunnel:
             )
             for name, addr, key in relays
         ]
-        self.relays = RelayHome(node, clients, self._moved)
+        self.relays = RelayHome(
+            node, clients, self._moved, lambda relay: self.returning.plan(relay)
+        )
+        self.returning = ReturnHome(
+            self.relays, lambda: [p.link for p in self.peers_by_key.values()], self._schedule_flush
+        )
         self.timers = Timers(self._next_deadline, self._fire_timers)
         self._flush_scheduled = False
         # What this member's programs sent, counted once as relays meter it (resends after a
@@ -176,6 +181,7 @@ class Tunnel:
 
     def _moved(self) -> None:
         """A relay became home: every link resends what was not acknowledged through it."""
+        self.returning.stop()
         for peer in self.peers_by_key.values():
             peer.link.retransmit()
         self._writable.set()
@@ -197,6 +203,14 @@ class Tunnel:
         home = self.relays.home
         now = time.monotonic()
         wire: Wire = []
+        if self.returning.under_way:  # moving home: acknowledgements only, meanwhile
+            for peer in self.peers_by_key.values():
+                for pieces in peer.link.acknowledgement_parts():
+                    wire += self.device.send_pieces(peer.key, pieces, now)
+            if home is not None and wire:
+                home.send_many(wire, None)
+            self.timers.rearm()
+            return
         plaintext_size = self.device.plaintext_size
         for peer in self.peers_by_key.values():
             resent, fresh = peer.link.outgoing_parts()
@@ -274,6 +288,7 @@ class Tunnel:
                 continue
             for event in events:
                 self._on_event(peer, event)
+        self.returning.check()  # an acknowledgement may have been the last one awaited
         self._schedule_flush()
 
     def _on_event(self, peer: Peer, event: Event) -> None:
