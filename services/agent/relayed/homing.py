@@ -128,9 +128,9 @@ class RelayHome:
                 self._make_home(relay, failover=False)
 
     def _return_home(self) -> None:
-        """The chosen relay stayed up: carry the tunnel there again (both are connected, so
-        nothing waits for a connection; what is unacknowledged is sent again, as on a
-        failover)."""
+        """The chosen relay stayed up: carry the tunnel there again. Both are connected, so
+        nothing waits for a connection; the tunnel's plan moves once what is in flight is
+        acknowledged (without one, what is unacknowledged is sent again, as on a failover)."""
         self._return = None
         chosen = self.relays[0]
         if self.home is not None and self.home is not chosen and chosen.up:
