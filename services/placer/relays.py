@@ -112,7 +112,15 @@ class LiveRelays:
             loads = {n: load_of(n) for n in by_name}
             total = {n: sum(map(mul, v, weights)) for n, v in near.items()}
             ranked = sorted(by_name, key=lambda n: (-total[n], loads[n], n))
-            first, second = ranked[0], ranked[1]
+            first = ranked[0]
+            # The failover on another host than the home relay when one is as near: one
+            # host's relays (one per core, sharing its 443) go down together with it.
+            hosts = {r.name: _host(r.address) for r in live}
+
+            def beside_first(name: str) -> bool:
+                return hosts[name] == hosts[first]
+
+            second = min(ranked[1:], key=lambda n: (-total[n], beside_first(n), loads[n], n))
             if len(places) > 1:  # in one place, the nearest leaves nobody nearer elsewhere
                 nearest_first = near[first]
 
@@ -120,7 +128,10 @@ class LiveRelays:
                     pairs = zip(near[name], nearest_first, weights, strict=True)
                     return sum(max(0, a - b) * k for a, b, k in pairs)
 
-                second = min(ranked[1:], key=lambda n: (-gained(n), -total[n], loads[n], n))
+                second = min(
+                    ranked[1:],
+                    key=lambda n: (-gained(n), -total[n], beside_first(n), loads[n], n),
+                )
             pair = sorted([first, second])
             counts = [loads[n] for n in pair]
         else:
@@ -162,3 +173,8 @@ class LiveRelays:
             and CAPABILITY_EPOCH_RELAYS in r.capabilities
         ]
         return max(others, key=lambda r: r.heartbeat_time).name if others else None
+
+
+def _host(address: str) -> str:
+    """The host of a relay's host:port (its advertised address)."""
+    return address.rpartition(":")[0].strip("[]")

@@ -30,6 +30,7 @@ def relays(
     old: tuple[str, ...] = (),
     silent_for: float = 60.0,
     regions: dict[str, str] | None = None,
+    hosts: dict[str, str] | None = None,
 ) -> LiveRelays:
     live = LiveRelays()
     t = now()
@@ -39,7 +40,7 @@ def relays(
             RelayRecord(
                 name=name,
                 region=(regions or {}).get(name, "eu-central"),
-                address="127.0.0.1:4430",
+                address=f"{(hosts or {}).get(name, '127.0.0.1')}:4430",
                 public_key="",
                 version="test",
                 capabilities=["relay-v1"] + ([] if name in old else [CAPABILITY_EPOCH_RELAYS]),
@@ -166,3 +167,17 @@ def test_a_relay_whose_region_no_machine_has_is_near_no_machine() -> None:
     classes = {"us-east-1": "us", "eu-west-1": "eu"}
     assert [r.name for r in live.near_no_machine(classes, now())] == ["relay-c"]
     assert live.near_no_machine({}, now()) == []  # no machine registered yet: nothing to say
+
+
+def test_a_gangs_failover_relay_is_on_another_host_when_one_is_as_near() -> None:
+    # Two relays on one host (one per core, sharing its 443) and one on another: a gang given
+    # both of the first host's would lose both with it. Among relays as near, the failover
+    # is on another host even when more loaded; a nearer one on the same host still wins.
+    hosts = {"relay-a1": "198.18.0.1", "relay-a2": "198.18.0.1", "relay-b1": "198.18.0.2"}
+    live = relays(*hosts, hosts=hosts)
+    load: Counter[Home] = Counter({"relay-b1": HALF})
+    choice = live.choose(anywhere(2), load, named=True, t=now())
+    assert choice.relays == ["relay-a1", "relay-b1"]
+    near_ones = relays(*hosts, hosts=hosts, regions={"relay-a1": "eu-west-1", "relay-a2": "eu"})
+    choice = near_ones.choose([EU, EU], Counter(), named=True, t=now())
+    assert choice.relays == ["relay-a1", "relay-a2"]  # relay-b1 is far from eu-west-1
