@@ -115,10 +115,10 @@ class LiveRelays:
             first = ranked[0]
             # The failover on another host than the home relay when one is as near: one
             # host's relays (one per core, sharing its 443) go down together with it.
-            hosts = {r.name: _host(r.address) for r in live}
+            first_host = _host(self.records[first].address)
 
             def beside_first(name: str) -> bool:
-                return hosts[name] == hosts[first]
+                return _host(self.records[name].address) == first_host
 
             second = min(ranked[1:], key=lambda n: (-total[n], beside_first(n), loads[n], n))
             if len(places) > 1:  # in one place, the nearest leaves nobody nearer elsewhere

@@ -132,7 +132,13 @@ class SharedPort:
                 for fd in fds:
                     os.close(fd)
                 continue
-            self._adopt(socket.socket(fileno=fds[0]), routed=data == ROUTED)
+            try:
+                handed = socket.socket(fileno=fds[0])
+            except OSError as error:  # closed by its sender's peer meanwhile, say
+                os.close(fds[0])
+                log.warning("shared port %d: a handoff: %s", self.port, error)
+                continue
+            self._adopt(handed, routed=data == ROUTED)
 
     def _adopt(self, sock: socket.socket, routed: bool) -> None:
         if sock.type != socket.SOCK_STREAM or sock.family not in (

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import subprocess
 import sys
@@ -42,9 +41,9 @@ from tests.bench.running import (
     run_bench,
 )
 from tests.integration.conftest import Node, enrol
+from tests.relay_processes import nodus_relay
 
 log = progress("relay_door")
-REPO = Path(__file__).resolve().parents[2]
 RELAYS = ("door-a", "door-b")
 GANG = "bench.door"
 
@@ -58,16 +57,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.rounds, args.connects = 2, 40
     return args
-
-
-def _relay(server: NatsServer, state: Path, name: str, shared: int) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "app", "relay", "--nats", server.url, "--name", name]
-    argv += ["--credentials", server.user(name, RELAY, name), "--region", "eu"]
-    argv += ["--listen", f"127.0.0.1:{free_port()}", "--share-port", str(shared)]
-    argv += ["--mesh-key-file", str(state / "mesh.key")]
-    argv += ["--key-file", str(state / f"{name}.key")]
-    argv += ["--usage-journal", str(state / f"{name}.usage"), "--log-level", "WARNING"]
-    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 async def _connect_ms(node: Node, door: tuple[str, str, bytes | None]) -> tuple[float, bool]:
@@ -106,7 +95,6 @@ def _figures(samples: list[float]) -> dict[str, float]:
 
 
 async def _body(state: Path, args: argparse.Namespace) -> dict[str, Any]:
-    (state / "mesh.key").write_bytes(os.urandom(32).hex().encode())
     server = NatsServer(state / "bus").start()
     processes: list[subprocess.Popen[bytes]] = []
     try:
@@ -117,7 +105,16 @@ async def _body(state: Path, args: argparse.Namespace) -> dict[str, Any]:
             streams=True,
         )
         shared = free_port()
-        processes = [_relay(server, state, name, shared) for name in RELAYS]
+        processes = [
+            nodus_relay(
+                server,
+                state,
+                name,
+                server.user(name, RELAY, name),
+                *("--share-port", str(shared), "--log-level", "WARNING"),
+            )
+            for name in RELAYS
+        ]
         records = await _doors(bus, processes)
         member = Node(GANG, 1, "m")
         await enrol(bus, GANG, 1, [member])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ from services.relay.announce import NameTaken
 from services.relay.relay import Relay
 from tests.conftest import eventually
 from tests.integration.conftest import MESH_KEY
+from tests.relay_processes import nodus_relay, stderr_once_exited
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,40 +112,13 @@ def _holds(bus: Bus, relay_: Relay) -> Callable[[], Awaitable[bool]]:
     return holds_its_name
 
 
-def nodus_relay(
-    server: NatsServer, tmp_path: Path, index: int, name: str, credentials: str
-) -> subprocess.Popen[bytes]:
-    """`nodus relay` as deployed: its own bus user, key file and usage journal."""
-    mesh_key = tmp_path / "mesh.key"
-    if not mesh_key.exists():
-        mesh_key.write_bytes(os.urandom(32).hex().encode())
-    argv = [sys.executable, "-m", "app", "relay", "--nats", server.url]
-    argv += ["--credentials", credentials, "--name", name, "--region", "eu"]
-    argv += ["--listen", f"127.0.0.1:{free_port()}", "--mesh-key-file", str(mesh_key)]
-    argv += ["--key-file", str(tmp_path / f"relay-{index}" / "relay.key")]
-    argv += ["--usage-journal", str(tmp_path / f"relay-{index}.usage")]
-    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-async def stderr_once_exited(process: subprocess.Popen[bytes], within: float = 30.0) -> str:
-    """What the process said, once it ended by itself; one still running is killed (no test
-    leaves a relay behind) and the test fails."""
-    try:
-        _, err = await asyncio.to_thread(process.communicate, timeout=within)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        await asyncio.to_thread(process.communicate)
-        raise AssertionError(f"still running after {within:g} s") from None
-    return err.decode()
-
-
 async def test_nodus_relay_given_another_relays_bus_user_exits_with_the_reason(
     bus: Bus, nats_server: NatsServer, tmp_path: Path
 ) -> None:
     # One seed for every relay (a Kubernetes secret shared by the pods, a copied file): the
     # bus would refuse this relay's record, and members would never find it.
     theirs = nats_server.user("relay-a", RELAY, "relay-a")
-    relay_b = nodus_relay(nats_server, tmp_path, 0, "relay-b", theirs)
+    relay_b = nodus_relay(nats_server, tmp_path, "relay-b", theirs, slot="relay-0")
     said = await stderr_once_exited(relay_b)
     assert relay_b.returncode == 1, said
     assert "relay 'relay-b': the bus user of --credentials is relay 'relay-a''s" in said
@@ -158,7 +131,7 @@ async def test_nodus_relay_given_a_taken_name_exits_with_the_reason(
     credentials = nats_server.user("relay-h", RELAY, "relay-h")
 
     def start(index: int) -> subprocess.Popen[bytes]:
-        return nodus_relay(nats_server, tmp_path, index, "relay-h", credentials)
+        return nodus_relay(nats_server, tmp_path, "relay-h", credentials, slot=f"relay-{index}")
 
     relays = bus.bucket(names.BUCKET_RELAYS, RelayRecord)
     first = start(0)

@@ -12,7 +12,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -28,7 +28,7 @@ from libs.relayproto.client import RelayClient
 from services.relay.relay import Relay
 from tests.conftest import eventually
 from tests.integration.conftest import MESH_KEY, Node, enrol, metric, wg_shaped
-from tests.integration.test_relay_names import REPO, stderr_once_exited
+from tests.relay_processes import REPO, nodus_relay, stderr_once_exited
 
 GANG = "acme.shared"
 TRIES = 16  # connections per relay: each lands on the other relay first with odds 1/2
@@ -158,17 +158,13 @@ async def test_a_member_with_a_stale_key_for_its_relay_is_challenged_again_and_a
 async def test_nodus_relay_processes_share_a_port(
     bus: Bus, nats_server: NatsServer, tmp_path: Path
 ) -> None:
-    (tmp_path / "mesh.key").write_bytes(os.urandom(32).hex().encode())
     shared, stun_port = free_port(), free_udp_port()
 
     def start(name: str) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", "app", "relay", "--nats", nats_server.url, "--name", name]
-        argv += ["--credentials", nats_server.user(name, RELAY, name), "--region", "eu"]
-        argv += ["--listen", f"127.0.0.1:{free_port()}", "--share-port", str(shared)]
-        argv += ["--stun-port", str(stun_port)]  # one STUN port for the host's relays too
-        argv += ["--mesh-key-file", str(tmp_path / "mesh.key")]
-        argv += ["--usage-journal", str(tmp_path / f"{name}.usage")]
-        return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        credentials = nats_server.user(name, RELAY, name)
+        # One STUN port for the host's relays too.
+        sharing = ("--share-port", str(shared), "--stun-port", str(stun_port))
+        return nodus_relay(nats_server, tmp_path, name, credentials, *sharing)
 
     processes = [start("relay-p"), start("relay-q")]
     try:
@@ -224,7 +220,7 @@ async def stun_answers(port: int) -> bool:
         return response.transaction_id == request.transaction_id
 
 
-def _connects(client: RelayClient):  # type: ignore[no-untyped-def]
+def _connects(client: RelayClient) -> Callable[[], Awaitable[bool]]:
     async def connected() -> bool:
         try:
             await client.connect()

@@ -147,12 +147,7 @@ class RelayHome:
             return
         RETURNS.labels(self.node).inc()
         log.info("relay %s is back; moving home to it from %s", chosen.name, was.name)
-        if resend:
-            self._make_home(chosen, failover=False)
-        else:
-            self.home = chosen
-            chosen.home(False)
-            self._pulse()
+        self._make_home(chosen, failover=False, resend=resend)
 
     def _down(self, relay: RelayClient) -> None:
         if relay is self.relays[0] and self._return is not None:
@@ -161,13 +156,14 @@ class RelayHome:
         if self.home is relay:
             self._failover(relay)
 
-    def _make_home(self, relay: RelayClient, failover: bool) -> None:
+    def _make_home(self, relay: RelayClient, failover: bool, resend: bool = True) -> None:
         if self._grace is not None:
             self._grace.cancel()
             self._grace = None
         self.home = relay
         relay.home(failover)
-        self._moved()
+        if resend:
+            self._moved()
         self._pulse()
 
     def _failover(self, lost: RelayClient) -> None:
