@@ -132,6 +132,12 @@ AGENTS = {
             "{{node}}",
         ),
         Graph(
+            "Relays given beyond the gang's two (both lost)",
+            _rate("nodus_agent_relay_rescues_total", "node"),
+            "ops",
+            "{{node}}",
+        ),
+        Graph(
             "WireGuard messages dropped, by reason",
             _rate("nodus_agent_wireguard_drops_total", "reason"),
             "pps",

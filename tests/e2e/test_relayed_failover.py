@@ -1,15 +1,18 @@
 """Done-when of the Relayed path, with real processes: 512 MiB each way between the two members
 of a Relayed gang through the relays; the relay carrying the traffic is killed (SIGKILL) in
 the middle; every byte arrives intact and in order, on a connection that was never reset, and
-is billed once."""
+is billed once. The same holds when the relay comes back and its members move home to it, and
+when both of the gang's relays are lost for good and the members move to a third."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import random
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -71,19 +74,33 @@ FLEET = {
 }
 
 
+@contextlib.asynccontextmanager
+async def stalled_after(seconds: float, what: str) -> AsyncIterator[None]:
+    """Fail, saying so, if the stream inside has not finished in `seconds`."""
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError:
+        pytest.fail(f"the stream stalled for {seconds:g} s after {what}")
+
+
 async def joined(client: Client, node: str) -> JoinedEpochsReply:
     return await client.bus.request(
         names.node_request(node, names.AgentVerb.EPOCHS), JoinedEpochsRequest(), JoinedEpochsReply
     )
 
 
-async def running_gang(tmp_path: Path, name: str) -> tuple[LocalSystem, Client]:
-    """The system up and a Relayed gang of vast-a and lam-b Running (its probe done: the
-    probe's bytes come before the test's)."""
+async def running_gang(tmp_path: Path, name: str, relays: int = 2) -> tuple[LocalSystem, Client]:
+    """The system up (with `relays` meshed relays) and a Relayed gang of vast-a and lam-b
+    Running (its probe done: the probe's bytes come before the test's)."""
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(yaml.safe_dump(FLEET))
     system = LocalSystem(
-        fleet_path=fleet, state_dir=tmp_path / "state", nats_port=free_port(), heartbeat_seconds=1.0
+        fleet_path=fleet,
+        state_dir=tmp_path / "state",
+        nats_port=free_port(),
+        heartbeat_seconds=1.0,
+        relays=relays,
     )
     await system.start()
     client = await Client.connect(system.url)
@@ -194,6 +211,76 @@ async def test_512_mib_each_way_survive_the_relay_carrying_them_being_killed(
         system.stop()
 
 
+class OneWay:
+    """A stream from a program on vast-a, through its SOCKS5 entry and the relays, to a server
+    on lam-b: what was sent and what arrived, hashed."""
+
+    def __init__(self) -> None:
+        self.sent, self.sent_count, self.blocks = hashlib.sha256(), 0, 0
+        self.received, self.received_count = hashlib.sha256(), 0
+        self.done = asyncio.Event()
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def _receive(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1 << 18):
+            self.received.update(data)
+            self.received_count += len(data)
+        writer.close()
+        self.done.set()
+
+    @contextlib.asynccontextmanager
+    async def open(self, client: Client) -> AsyncIterator[None]:
+        records = {r.inventory.node: r for r, _, _ in await client.list_nodes()}
+        host, _, socks_port = records["vast-a"].socks_endpoint.rpartition(":")
+        server = await asyncio.start_server(self._receive, "127.0.1.32", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            code, _, self.writer = await socks_connect((host, int(socks_port)), "127.0.1.32", port)
+            assert code == 0
+            yield
+
+    async def send(self) -> None:
+        assert self.writer is not None
+        data = block(self.blocks)
+        self.writer.write(data)
+        await self.writer.drain()  # waits while the member has no relay
+        self.sent.update(data)
+        self.sent_count += len(data)
+        self.blocks += 1
+
+    async def sending(self, seconds: float) -> AsyncIterator[int]:
+        """Send block after block for at most `seconds`, yielding how many are sent so far;
+        the caller stops it when what it waits for under the stream happened."""
+        deadline = asyncio.get_running_loop().time() + seconds
+        while asyncio.get_running_loop().time() < deadline:
+            await self.send()
+            yield self.blocks
+
+    async def finish(self) -> None:
+        """Close the sending side and wait for the server to have read everything."""
+        assert self.writer is not None
+        self.writer.write_eof()
+        await asyncio.wait_for(self.done.wait(), 120)
+        self.writer.close()
+
+    def arrived_whole(self) -> bool:
+        return (self.received_count, self.received.hexdigest()) == (
+            self.sent_count,
+            self.sent.hexdigest(),
+        )
+
+
+async def assert_billed_once(client: Client, before: dict[str, int], sent: int) -> None:
+    """vast-a is billed what its program sent, within 0.1 % (the link's own headers): the
+    resends of a move are not the user's. The bill is late at worst, so it is awaited."""
+    for _ in range(100):
+        bill = (await billed(client)).get("vast-a", 0) - before.get("vast-a", 0)
+        if sent <= bill <= sent * 1.001:
+            return
+        await asyncio.sleep(0.2)
+    assert sent <= bill <= sent * 1.001, bill / sent
+
+
 async def test_a_member_moves_home_under_a_stream_once_its_relay_is_back(tmp_path: Path) -> None:
     """A relay restarted (an upgrade, a crash): its members failed over to the other relay,
     and once it is back and stays up they move home to it, so the placer's spread of gangs
@@ -202,37 +289,13 @@ async def test_a_member_moves_home_under_a_stream_once_its_relay_is_back(tmp_pat
     system, client = await running_gang(tmp_path, "back")
     try:
         billed_before = await settled_bills(client)
-        records = {r.inventory.node: r for r, _, _ in await client.list_nodes()}
-        socks = records["vast-a"].socks_endpoint.rsplit(":", 1)
-        received, count, done = hashlib.sha256(), [0], asyncio.Event()
-
-        async def member_b(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while data := await reader.read(1 << 18):
-                received.update(data)
-                count[0] += len(data)
-            writer.close()
-            done.set()
-
-        server = await asyncio.start_server(member_b, "127.0.1.32", 0)
-        port = server.sockets[0].getsockname()[1]
-        sent, sent_count = hashlib.sha256(), 0
-        async with server:
-            code, _, writer = await socks_connect((socks[0], int(socks[1])), "127.0.1.32", port)
-            assert code == 0
+        stream = OneWay()
+        async with stream.open(client):
             home = (await joined(client, "vast-a")).epochs[0].relay
             assert home is not None
             carrying = next(c for c in system.children if c.name == home)
             moves: list[str | None] = []
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 90
-            index = 0
-            while loop.time() < deadline:
-                data = block(index)
-                writer.write(data)
-                await writer.drain()
-                sent.update(data)
-                sent_count += len(data)
-                index += 1
+            async for index in stream.sending(90):
                 if index == 64:
                     os.kill(carrying.process.pid, signal.SIGKILL)
                     system.restart(carrying.name)  # back at once, as its supervisor would
@@ -243,23 +306,51 @@ async def test_a_member_moves_home_under_a_stream_once_its_relay_is_back(tmp_pat
                     if now_home == home and len(moves) > 1:
                         break  # moved away, then home again, all under the stream
             returned = moves[-1] == home and len(moves) > 1
-            for extra in range(32):  # and the stream goes on from there
-                data = block(index + extra)
-                writer.write(data)
-                await writer.drain()
-                sent.update(data)
-                sent_count += len(data)
-            writer.write_eof()
-            await asyncio.wait_for(done.wait(), 120)
-            writer.close()
+            for _ in range(32):  # and the stream goes on from there
+                await stream.send()
+            await stream.finish()
         assert returned, f"vast-a's homes after {home} was restarted: {moves}"
-        assert count[0] == sent_count and received.hexdigest() == sent.hexdigest()
-        for _ in range(100):  # billed once: the resends of both moves are not the user's
-            bill = (await billed(client)).get("vast-a", 0) - billed_before.get("vast-a", 0)
-            if sent_count <= bill <= sent_count * 1.001:
-                break
-            await asyncio.sleep(0.2)
-        assert sent_count <= bill <= sent_count * 1.001, bill / sent_count
+        assert stream.arrived_whole()
+        await assert_billed_once(client, billed_before, stream.sent_count)
+    finally:
+        await client.close()
+        system.stop()
+
+
+async def test_members_whose_two_relays_are_lost_move_to_a_third_under_a_stream(
+    tmp_path: Path,
+) -> None:
+    """Both of a gang's relays lost for good (the host that ran them, say): once neither has
+    been up for longer than a restart takes, each member is given the third relay, which
+    meshes with every other. The stream carried through arrives whole, in order, on one
+    connection, and is billed once. Before, the members waited for their relays forever."""
+    system, client = await running_gang(tmp_path, "rescued", relays=3)
+    try:
+        gang = (await client.get_job("rescued")).status.gang
+        assert gang is not None and len(gang.relays) == 2
+        (third,) = {f"relay-{i}" for i in range(3)} - set(gang.relays)
+        billed_before = await settled_bills(client)
+        stream = OneWay()
+        homes: dict[str, str | None] = {}
+        async with stream.open(client), stalled_after(60, "both of the gang's relays were lost"):
+            async for index in stream.sending(90):
+                if index == 64:
+                    for lost in gang.relays:  # for good: no supervisor starts them again
+                        child = next(c for c in system.children if c.name == lost)
+                        os.kill(child.process.pid, signal.SIGKILL)
+                elif index > 64 and index % 16 == 0:
+                    for node in ("vast-a", "lam-b"):
+                        homes[node] = (await joined(client, node)).epochs[0].relay
+                    if set(homes.values()) == {third}:
+                        break
+            for _ in range(32):  # and the stream goes on from there
+                await stream.send()
+            await stream.finish()
+        assert set(homes.values()) == {third}, (homes, gang.relays, third)
+        assert stream.arrived_whole()
+        for lost in gang.relays:  # back, they publish what they metered before dying
+            system.restart(lost)
+        await assert_billed_once(client, billed_before, stream.sent_count)
     finally:
         await client.close()
         system.stop()

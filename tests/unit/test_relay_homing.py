@@ -111,3 +111,42 @@ async def test_a_chosen_relay_that_goes_down_again_at_once_is_not_moved_to(
     await asyncio.sleep(0.1)
     assert home.home is cast(Any, other) and chosen.homed == [False]
     home.close()
+
+
+async def test_a_member_whose_relays_are_all_gone_homes_on_the_relay_it_is_given(
+    monkeypatch: Any,
+) -> None:
+    # Both of the gang's relays lost for good (their host): the member is stranded until it
+    # is given another, which is home as soon as it is up; once the chosen relay is back and
+    # stays up, the member moves home to it as after any failover.
+    monkeypatch.setattr(homing, "RETURN_HOME_SECONDS", 0.05)
+    chosen, other, spare = FakeRelay("relay-b"), FakeRelay("relay-a"), FakeRelay("relay-c")
+    home = relay_home(chosen, other)
+    come_up(home, chosen)
+    come_up(home, other)
+    assert home.stranded_for() == 0.0
+    lose(home, chosen)
+    assert home.stranded_for() == 0.0, "the other relay is up"
+    lose(home, other)
+    assert home.home is None
+    await asyncio.sleep(0.02)
+    assert home.stranded_for() >= 0.02
+    home.rescue(cast(Any, spare))
+    assert home.rescues == 1 and home.stranded_for() < 0.02, "the clock starts again"
+    come_up(home, spare)
+    assert home.home is cast(Any, spare) and spare.homed == [False], "at once, no grace"
+    assert home.stranded_for() == 0.0
+    come_up(home, chosen)
+    await asyncio.sleep(0.1)
+    assert home.home is cast(Any, chosen)
+    home.close()
+
+
+async def test_the_first_relay_back_after_all_were_lost_is_home_at_once() -> None:
+    chosen, other = FakeRelay("relay-b"), FakeRelay("relay-a")
+    home = relay_home(chosen, other)
+    come_up(home, chosen)
+    lose(home, chosen)
+    come_up(home, other)  # not the chosen one, but the member has nowhere else to be
+    assert home.home is cast(Any, other) and other.homed == [False]
+    home.close()

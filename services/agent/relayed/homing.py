@@ -1,8 +1,9 @@
 """A member's two relays and which one is home: both kept connected, the home one carrying
-the tunnel; when it dies the tunnel moves to the other at once (make-before-break, G16) and
+the tunnel; when it dies the tunnel moves to the other at once (make-before-break, G15) and
 whoever waits for a peer to be reachable is woken. When the relay the placer chose is back
 and stays up, the tunnel moves home to it again, so the placer's spread of gangs over the
-relays holds after a relay restarts (an upgrade, a crash)."""
+relays holds after a relay restarts (an upgrade, a crash). When both are gone for longer than
+a restart takes (their host lost), the member is given another relay (`rescue`)."""
 
 from __future__ import annotations
 
@@ -29,11 +30,21 @@ RETURN_HOME_SECONDS = 5.0
 # A move home waits at most this long for what is in flight through the current relay to be
 # acknowledged (then it sends it again through the new home, as a failover does).
 RETURN_DRAIN_SECONDS = 1.0
+# A member none of whose relays has been up for this long is given another live relay: a
+# relay restarting is back within a second or two, a relay host lost is not back for minutes.
+RESCUE_SECONDS = 5.0
+# At most this many relays beyond its gang's two (each is kept connected for the epoch).
+RESCUES_AT_MOST = 2
 
 FAILOVERS = Counter("nodus_agent_relay_failovers_total", "Moves to the other relay", ["node"])
 RETURNS = Counter(
     "nodus_agent_relay_returns_total",
     "Moves back to the relay the placer chose once it was up again",
+    ["node"],
+)
+RESCUES = Counter(
+    "nodus_agent_relay_rescues_total",
+    "Relays a member was given beyond its gang's two, every one of its relays being gone",
     ["node"],
 )
 
@@ -59,10 +70,44 @@ class RelayHome:
         self._moved = moved
         self._plan_return = plan_return
         self._reachability = asyncio.Event()  # pulsed when a relay or a peer comes or goes
+        self._tasks: TaskSet | None = None
+        self._chosen = len(relays)  # the gang's relays; any after them are rescues
+        # Since when no relay of this member has been up, once one was (loop time).
+        self._stranded_since: float | None = None
 
     def keep(self, tasks: TaskSet) -> None:
+        self._tasks = tasks
         for relay in self.relays:
-            tasks.spawn(relay.keep(self._up, self._down, log), name=f"relay {relay.name}")
+            self._keep(relay)
+
+    def _keep(self, relay: RelayClient) -> None:
+        if self._tasks is not None:
+            self._tasks.spawn(relay.keep(self._up, self._down, log), name=f"relay {relay.name}")
+
+    @property
+    def rescues(self) -> int:
+        return len(self.relays) - self._chosen
+
+    def stranded_for(self) -> float:
+        """Seconds since the last of this member's relays went down (0 while one is up, or
+        before any was)."""
+        since = self._stranded_since
+        return 0.0 if since is None else asyncio.get_running_loop().time() - since
+
+    def rescue(self, relay: RelayClient) -> None:
+        """Another relay for a member whose relays are all gone: kept connected like them,
+        home as soon as it is up. The chosen relay is still moved home to once it is back and
+        stays up. The stranded clock starts again, so that another rescue waits as long."""
+        RESCUES.labels(self.node).inc()
+        log.warning(
+            "no relay of %s up for %.0f s: adding relay %s",
+            ", ".join(r.name for r in self.relays),
+            self.stranded_for(),
+            relay.name,
+        )
+        self.relays.append(relay)
+        self._stranded_since = asyncio.get_running_loop().time()
+        self._keep(relay)
 
     def close(self) -> None:
         for timer in (self._grace, self._return):
@@ -108,13 +153,16 @@ class RelayHome:
         self._reachability = asyncio.Event()
 
     def _up(self, relay: RelayClient) -> None:
+        stranded, self._stranded_since = self._stranded_since is not None, None
         if self.home is not None:
             if relay is self.relays[0] and self._return is None:
                 self._return = asyncio.get_running_loop().call_later(
                     RETURN_HOME_SECONDS, self._return_home
                 )
             return
-        if relay is self.relays[0]:
+        if relay is self.relays[0] or stranded:
+            # The chosen relay, or the first back after every relay was lost: the grace for
+            # the chosen one is for a member's start, when the placer's spread is made.
             self._make_home(relay, failover=False)
         elif self._grace is None:
             self._grace = asyncio.get_running_loop().call_later(HOME_GRACE_SECONDS, self._settle)
@@ -155,6 +203,8 @@ class RelayHome:
             self._return = None
         if self.home is relay:
             self._failover(relay)
+        if self._stranded_since is None and not any(r.up for r in self.relays):
+            self._stranded_since = asyncio.get_running_loop().time()
 
     def _make_home(self, relay: RelayClient, failover: bool, resend: bool = True) -> None:
         if self._grace is not None:

@@ -1,5 +1,6 @@
 """A node's membership in one Relayed gang epoch: its tunnel to the peers through two relays
-and the SOCKS5 entry its ranks' shim dials (NODUS_NETSHIM_SOCKS)."""
+(another, when both are gone for good) and the SOCKS5 entry its ranks' shim dials
+(NODUS_NETSHIM_SOCKS)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from libs.jobs.relays import NOWHERE, Whereabouts, is_live, nearest_first
 from libs.runtime.tasks import cancel_and_wait
 from libs.wg import key_from_base64
 from services.agent.introductions import introduced_peer
+from services.agent.relayed import homing
 from services.agent.relayed.socks import SocksFront
-from services.agent.relayed.tunnel import Tunnel
+from services.agent.relayed.tunnel import Tunnel, relay_client
 from services.agent.relayed.wgdevice import WgDevice
 
 log = logging.getLogger("nodus.agent.member")
@@ -114,7 +116,10 @@ class RelayedMember:
             inflight=link_inflight(bounds),
         )
         ready = asyncio.Event()
-        self._tasks = [asyncio.create_task(self._watch_peers(ready))]
+        self._tasks = [
+            asyncio.create_task(self._watch_peers(ready)),
+            asyncio.create_task(self._rescue_when_stranded(self.tunnel)),
+        ]
         await ready.wait()
         await self.tunnel.start()
         await self.tunnel.wait_ready()
@@ -150,3 +155,34 @@ class RelayedMember:
                 log.warning("member record %s: its WireGuard key is malformed", change.key)
                 continue
             self.tunnel.add_peer(peer.node, peer.address, key)
+
+    async def _rescue_when_stranded(self, tunnel: Tunnel) -> None:
+        """The gang's two relays are its for the epoch; when both have been down longer than a
+        restart takes (their host lost, or both lost at once), the member is given the live
+        relay nearest it that it does not have: every relay meshes with every other, so its
+        peers, wherever they are homed, reach it there. Once the chosen relay is back and stays
+        up, the member moves home to it, as after any failover."""
+        relays = tunnel.relays
+        said = False  # that no other relay is live, once per stranding
+        while True:
+            await relays.changed(1.0)
+            if relays.stranded_for() < homing.RESCUE_SECONDS:
+                said = False
+                continue
+            if relays.rescues >= homing.RESCUES_AT_MOST:
+                continue  # said at each rescue; the relays it has are still dialled
+            try:
+                records = await live_relays(self.bus)
+            except Exception as error:  # the bus down too: try again at the next turn
+                log.warning("no relay list to rescue %s from: %s", self.member.node, error)
+                continue
+            have = {r.name for r in relays.relays}
+            spare = [r for r in nearest_first(records, self.where) if r.name not in have]
+            if not spare:
+                if not said:
+                    log.warning("%s: no relay it has is up, and no other is live", tunnel.node)
+                    said = True
+                continue
+            record = spare[0]
+            takes_totals = CAPABILITY_USAGE_TOTALS in record.capabilities
+            relays.rescue(relay_client(tunnel, member_door(record), takes_totals))

@@ -103,23 +103,7 @@ class Tunnel:
             node, window, self._schedule_flush, self._background, self._writable
         )
         self.bridges = self.sockets.bridges
-        clients = [
-            RelayClient(
-                name,
-                addr,
-                gang,
-                epoch,
-                node,
-                device.private_key,
-                device.public_key,
-                self._on_message,
-                lambda relay: self.relays.presence(relay),
-                self.sockets.write_out,
-                takes_totals=name in totals,
-                route_key=key,
-            )
-            for name, addr, key in relays
-        ]
+        clients = [relay_client(self, door, door[0] in totals) for door in relays]
         self.relays = RelayHome(
             node, clients, self._moved, lambda relay: self.returning.plan(relay)
         )
@@ -420,3 +404,23 @@ class Tunnel:
         self.bridges.pop((bridge.peer.key, bridge.stream), None)
         self.sockets.counted()
         self._schedule_flush()
+
+
+def relay_client(tunnel: Tunnel, door: RelayDoor, takes_totals: bool) -> RelayClient:
+    """A connection of `tunnel`'s member to a relay (not yet dialled): what it receives goes
+    to the tunnel's peers, presence to its homing. `takes_totals`: the relay takes `Sent`."""
+    name, address, key = door
+    return RelayClient(
+        name,
+        address,
+        tunnel.gang,
+        tunnel.epoch,
+        tunnel.node,
+        tunnel.device.private_key,
+        tunnel.device.public_key,
+        tunnel._on_message,
+        lambda relay: tunnel.relays.presence(relay),
+        tunnel.sockets.write_out,
+        takes_totals=takes_totals,
+        route_key=key,
+    )
