@@ -8,6 +8,7 @@ and those of earlier runs (they stay in the buffer until overwritten), never con
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import secrets
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,22 @@ from libs.contracts import names
 from libs.contracts.remediation import Finding, SignalReport
 
 KMSG = "/dev/kmsg"
+
+
+@contextlib.asynccontextmanager
+async def remediation_bus(url: str) -> AsyncIterator[Bus]:
+    """The test's own connection (the operator's), with the remediation buckets (signals,
+    alerts) open: the daemons never make them."""
+    from services.remediator.main import BUCKETS as REMEDIATOR_BUCKETS
+
+    buckets = list(dict.fromkeys([*names.ALL_BUCKETS, *REMEDIATOR_BUCKETS]))
+    opened = await Bus.open(url, name="test", buckets=buckets, streams=True)
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -146,8 +163,10 @@ class MonitorProcess:
         kmsg: str = KMSG,
         cursor: Path | None = None,
         extra: list[str] | None = None,
+        reachability: bool = False,
     ) -> None:
         self.url = url
+        self.reachability = reachability  # asks its machine's agent whether it answers
         self.node = node
         self.machine = machine
         self.logs = logs
@@ -184,7 +203,7 @@ class MonitorProcess:
                 npd or str(self.machine / "npd.json"),
                 "--infiniband",
                 str(self.machine / "sys" / "class" / "infiniband"),
-                "--no-reachability",
+                *([] if self.reachability else ["--no-reachability"]),
                 "--metrics-port",
                 str(self.metrics_port),
                 *self.extra,

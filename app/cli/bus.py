@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from app.cli.common import Command, group
-from libs.bus.auth import AGENT, DETECTOR, RELAY, SERVICE
-from libs.bus.cluster import add_user, parse_server, write_cluster
+from libs.bus.auth import DETECTOR, RELAY, SERVICE
+from libs.bus.cluster import add_machine, add_user, parse_server, write_cluster
 from libs.contracts.errors import NodusError
 
 
@@ -73,7 +73,9 @@ def _init(args: argparse.Namespace) -> int:
 def _user_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", type=Path, required=True, help="the directory of `bus init`")
     who = parser.add_mutually_exclusive_group(required=True)
-    who.add_argument("--agent", metavar="NODE", help="the agent of a new machine")
+    who.add_argument(
+        "--agent", metavar="NODE", help="a new machine: its agent's and its monitor's users"
+    )
     who.add_argument("--relay", metavar="NAME", help="a new relay")
     who.add_argument("--service", metavar="NAME", help="another service replica's user")
     who.add_argument(
@@ -83,8 +85,8 @@ def _user_flags(parser: argparse.ArgumentParser) -> None:
 
 def _user(args: argparse.Namespace) -> int:
     if args.agent:
-        name, role, node = f"agent-{args.agent}", AGENT, args.agent
-    elif args.relay:
+        return _machine(args.dir, args.agent)
+    if args.relay:
         name, role, node = f"relay-{args.relay}", RELAY, args.relay
     elif args.detector:
         name, role, node = f"detector-{args.detector}", DETECTOR, args.detector
@@ -100,6 +102,21 @@ def _user(args: argparse.Namespace) -> int:
         "run `nats-server --signal reload` on each"
     )
     print(f"NODUS_CREDENTIALS={seed.resolve()}")
+    return 0
+
+
+def _machine(directory: Path, node: str) -> int:
+    try:
+        agent, monitor = add_machine(directory, node)
+    except NodusError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(
+        f"# {node}'s seeds: copy {agent} to it as /etc/nodus/credentials/nats.nk (the agent) "
+        f"and {monitor} as /etc/nodus/credentials/monitor.nk (its monitor), mode 0600; copy "
+        "servers/*/authorization.conf to the servers and run `nats-server --signal reload` on each"
+    )
+    print(f"NODUS_CREDENTIALS={agent.resolve()}")
     return 0
 
 

@@ -18,15 +18,19 @@ import nkeys
 
 from libs.contracts import names
 
-# The roles a process can have. The services (placer, runner, remediator, monitor) and the
-# operator's CLI work across every gang and node, so they hold the Nodus subjects whole.
+# The roles a process can have. The services (placer, runner, remediator, and a monitor that
+# reads many machines, as the lab's does) and the operator's CLI work across every gang and
+# node, so they hold the Nodus subjects whole. A machine's own monitor is confined to its
+# machine, as its agent is: both run on the GPU machine, beside users' workloads.
 AGENT = "agent"
+MONITOR = "monitor"
 RELAY = "relay"
 DETECTOR = "detector"  # an external fault detector: asks for repairs as itself (R8)
 SERVICE = "service"
 OPERATOR = "operator"
-ROLES = (AGENT, RELAY, DETECTOR, SERVICE, OPERATOR)
-NAMED_ROLES = (AGENT, RELAY, DETECTOR)  # identities that carry a node, relay or detector name
+ROLES = (AGENT, MONITOR, RELAY, DETECTOR, SERVICE, OPERATOR)
+# Identities that carry a node, relay or detector name.
+NAMED_ROLES = (AGENT, MONITOR, RELAY, DETECTOR)
 
 # Everything Nodus itself uses: what a service may publish and subscribe to.
 NODUS_SUBJECTS = [
@@ -38,6 +42,10 @@ NODUS_SUBJECTS = [
     "$SRV.>",
     "_INBOX.>",
 ]
+
+# How long a process waits for the server to say who it is: a bus whose users predate the
+# question (no `$SYS.REQ.USER.INFO` in their permissions) does not answer it.
+WHO_AM_I_WAIT = 1.0
 
 _SUBJECT_TOKEN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -60,6 +68,12 @@ def agent_inbox(node: str) -> str:
     """The inbox prefix an agent connects with: replies come to its own inbox, since it may
     not subscribe to `_INBOX.>` (where every other client's replies are)."""
     return f"_INBOX.{node}"
+
+
+def monitor_inbox(node: str) -> str:
+    """The inbox prefix a machine's monitor connects with: no node's name starts with '_', so
+    no agent's inbox is under it."""
+    return f"_INBOX._monitor.{node}"
 
 
 def new_identity(name: str, role: str, node: str | None = None) -> Identity:
@@ -148,19 +162,41 @@ AGENT_BUCKETS = [keys.bucket for keys in agent_keys("node")]
 
 def agent_permissions(node: str) -> dict[str, Any]:
     publish = [s for keys in agent_keys(node) for s in keys.subjects()]
-    subscribe = [
-        f"{agent_inbox(node)}.>",
-        names.node_requests(node),
-        # NATS micro discovery ($SRV.PING, $SRV.INFO.nodus-agent, ...), answered as a reply
-        "$SRV.*",
-        "$SRV.*.nodus-agent",
-        "$SRV.*.nodus-agent.*",
-    ]
+    # Whose it is: a monitor given its agent's seed asks, and says so instead of running on.
+    publish.append("$SYS.REQ.USER.INFO")
+    subscribe = [f"{agent_inbox(node)}.>", names.node_requests(node)]
+    return _answering(publish, subscribe, "nodus-agent")
+
+
+def _answering(publish: list[str], subscribe: list[str], service: str) -> dict[str, Any]:
+    """The permissions of a confined user that answers requests as `service` (NATS micro
+    discovery too: $SRV.PING, $SRV.INFO.<service>, ..., answered as replies)."""
+    discovery = ["$SRV.*", f"$SRV.*.{service}", f"$SRV.*.{service}.*"]
     return {
         "publish": {"allow": publish},
-        "subscribe": {"allow": subscribe},
+        "subscribe": {"allow": [*subscribe, *discovery]},
         "allow_responses": True,
     }
+
+
+def monitor_keys(node: str) -> list[Keys]:
+    """A machine's monitor: its node's signals, and its node's heartbeats (boot id, NotReady)."""
+    return [
+        Keys(names.BUCKET_SIGNALS, write=(names.signal_key(node, "*"),)),
+        Keys(names.BUCKET_HEALTH, read=(node,)),
+    ]
+
+
+def monitor_permissions(node: str) -> dict[str, Any]:
+    """It reports what it finds on its machine, asks its machine's agent whether it answers,
+    and runs its detectors when the remediator asks (R15); nothing of other nodes or gangs."""
+    publish = [s for keys in monitor_keys(node) for s in keys.subjects()]
+    publish += [
+        names.node_request(node, names.AgentVerb.INFO),
+        "$SYS.REQ.USER.INFO",  # whose monitor it is: one given another's seed says so at start
+    ]
+    subscribe = [f"{monitor_inbox(node)}.>", names.node_request(node, names.AgentVerb.DIAGNOSE)]
+    return _answering(publish, subscribe, "nodus-monitor")
 
 
 def relay_permissions(relay: str) -> dict[str, Any]:
@@ -260,6 +296,9 @@ def permissions(identity: Identity) -> dict[str, Any] | None:
     if identity.role == AGENT:
         assert identity.node
         return agent_permissions(identity.node)
+    if identity.role == MONITOR:
+        assert identity.node
+        return monitor_permissions(identity.node)
     if identity.role == RELAY:
         assert identity.node
         return relay_permissions(identity.node)
@@ -267,7 +306,9 @@ def permissions(identity: Identity) -> dict[str, Any] | None:
         assert identity.node
         return detector_permissions(identity.node)
     if identity.role == SERVICE:
-        return {"publish": {"allow": NODUS_SUBJECTS}, "subscribe": {"allow": NODUS_SUBJECTS}}
+        # And who it is: a machine's monitor run on a service's user asks at start.
+        publish = [*NODUS_SUBJECTS, "$SYS.REQ.USER.INFO"]
+        return {"publish": {"allow": publish}, "subscribe": {"allow": NODUS_SUBJECTS}}
     return None
 
 

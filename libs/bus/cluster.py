@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from libs.bus.auth import AGENT, OPERATOR, RELAY, SERVICE
+from libs.bus.auth import AGENT, MONITOR, OPERATOR, RELAY, SERVICE
 from libs.bus.credentials import BusUsers, write_secret
 from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.names import NATS_PORT
@@ -212,7 +212,7 @@ def write_cluster(
     for relay in relays:
         users.ensure(f"relay-{relay}", RELAY, relay)
     for node in agents:
-        users.ensure(f"agent-{node}", AGENT, node)
+        ensure_machine(users, node)
     for server in servers:
         home = directory / "servers" / server.name
         home.mkdir(parents=True, exist_ok=True)
@@ -238,10 +238,31 @@ def write_authorization(directory: Path, users: BusUsers) -> None:
         partial.replace(home / "authorization.conf")
 
 
-def add_user(directory: Path, name: str, role: str, node: str | None) -> Path:
+def ensure_machine(users: BusUsers, node: str) -> list[Path]:
+    """A GPU machine's two users, each confined to the machine: its agent's and its
+    monitor's (both run on it, beside users' workloads). Their seeds, agent's first."""
+    return [
+        users.ensure(f"agent-{node}", AGENT, node),
+        users.ensure(f"monitor-{node}", MONITOR, node),
+    ]
+
+
+def _users(directory: Path) -> BusUsers:
     if not (directory / "ca.pem").exists():
         raise NodusError(ErrorCode.NOT_FOUND, f"{directory} holds no bus: `nodus bus init` first")
-    users = BusUsers(directory / "users")
+    return BusUsers(directory / "users")
+
+
+def add_user(directory: Path, name: str, role: str, node: str | None) -> Path:
+    users = _users(directory)
     seed = users.ensure(name, role, node)
     write_authorization(directory, users)
     return seed
+
+
+def add_machine(directory: Path, node: str) -> list[Path]:
+    """A new machine's agent and monitor users (a machine that has them gets its monitor's)."""
+    users = _users(directory)
+    seeds = ensure_machine(users, node)
+    write_authorization(directory, users)
+    return seeds

@@ -25,11 +25,12 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from libs.bus import Bus
+from libs.bus.auth import may_publish, monitor_inbox
 from libs.contracts import names
 from libs.contracts.api import NodeInfoReply, NodeInfoRequest
 from libs.contracts.base import now as utc_now
 from libs.contracts.bounds import HEARTBEAT_TIMEOUT_SECONDS
-from libs.contracts.errors import NodusError
+from libs.contracts.errors import ErrorCode, NodusError
 from libs.contracts.fleet import NodeHealth
 from libs.contracts.remediation import Finding, SignalReport
 from libs.runtime import add_common_flags, run_daemon
@@ -51,6 +52,10 @@ log = logging.getLogger("nodus.monitor")
 
 SOURCE_TIMEOUT_SECONDS = 5.0  # one source's read, before the scan goes on without it
 KMSG_BATCH_SECONDS = 0.02  # after a wake-up, let a burst of records gather before reading
+# How long a machine's monitor waits for the bus to say who it is before it gives up: its own
+# user is answered at once; one that is not answered is not its own (a slow bus is waited for).
+WHO_AM_I_WAIT_MONITOR = 10.0
+
 # In a lab machine's directory: the simulated network partition the reachability probe honours.
 BLACKHOLE = "blackhole"
 
@@ -140,7 +145,9 @@ class Monitor:
                 self.detectors[key[0]].close()
 
     async def _watch_health(self, caught_up: asyncio.Event) -> None:
-        async for change in self.health_bucket.watch(caught_up=caught_up):
+        # A machine's own monitor may read only its machine's heartbeat (S1).
+        keys = next(iter(self.detectors)) if len(self.detectors) == 1 else ">"
+        async for change in self.health_bucket.watch(keys, caught_up=caught_up):
             if change.value is None:
                 self.health.pop(change.key, None)
             else:
@@ -406,10 +413,19 @@ async def _body(
     machines, blackholes = machines_of(args, simulate)
     bus = await Bus.open(
         args.nats,
-        name="nodus-monitor",
+        name=f"nodus-monitor-{args.node}" if args.node else "nodus-monitor",
         credentials=args.credentials,
-        buckets=[names.BUCKET_SIGNALS, names.BUCKET_HEALTH],
+        # A machine's own monitor receives replies only on its own inbox (S1).
+        inbox_prefix=monitor_inbox(args.node) if args.node else None,
     )
+    try:
+        if args.node:  # before the buckets: another user is refused them, and would say less
+            await check_credentials(bus, args.node)
+        for bucket in (names.BUCKET_SIGNALS, names.BUCKET_HEALTH):
+            await bus.ensure_bucket(bucket)
+    except BaseException:
+        await bus.close()
+        raise
     monitor = Monitor(
         bus,
         machines,
@@ -434,6 +450,30 @@ async def _body(
     finally:
         await monitor.stop()
         await bus.close()
+
+
+async def check_credentials(bus: Bus, node: str) -> None:
+    """A monitor given another machine's bus user, or its agent's (one seed copied to both
+    units, one Kubernetes secret for every pod), could never report what it finds: the bus
+    would refuse each report. It does not start, and says why."""
+    subject = f"$KV.{names.BUCKET_SIGNALS}.{names.signal_key(node, 'kmsg')}"
+    try:
+        info = await bus.user_info(timeout=WHO_AM_I_WAIT_MONITOR)
+    except NodusError:
+        # Every user that may be a machine's monitor may ask and hear the answer on the
+        # monitor's inbox; its agent's user may do neither.
+        whose = "is not answered who it is on the monitor's own inbox"
+    else:
+        if may_publish(info, subject):
+            return  # its own user, a service's, an operator's, or a bus without authentication
+        whose = f"may not write {node}'s signals"
+    raise NodusError(
+        ErrorCode.UNAUTHORIZED,
+        f"monitor of {node!r}: the bus user of --credentials {whose}: it is not {node}'s "
+        "monitor user (another machine's, or its agent's), so the bus would refuse every "
+        f"report; give it monitor-{node}.nk, which `nodus bus user --agent {node}` writes "
+        "beside the agent's seed",
+    )
 
 
 def run(args: argparse.Namespace, simulate: Simulate | None = None) -> int:

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 
 from libs.bus import Bus
-from libs.bus.auth import may_publish, relay_of
+from libs.bus.auth import WHO_AM_I_WAIT, may_publish, relay_of
 from libs.bus.kv import Bucket
 from libs.contracts.base import now
 from libs.contracts.errors import ErrorCode, NodusError
@@ -29,7 +29,6 @@ log = logging.getLogger("nodus.relay.announce")
 ANNOUNCE_EVERY = 2.0  # seconds between heartbeats (a record is live for RELAY_FRESH_SECONDS)
 CLAIM_WAIT = 2.5 * ANNOUNCE_EVERY
 CLAIM_POLL = 0.5
-WHO_AM_I_WAIT = 1.0  # a bus whose relay users predate the question does not answer it
 
 
 class NameTaken(NodusError):

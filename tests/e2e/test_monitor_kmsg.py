@@ -34,7 +34,6 @@ from libs.contracts import names
 from libs.contracts.remediation import Alert, AlertKind, AlertState, KmsgCursor, SignalReport
 from services.monitor.detectors.kmsgdevice import read_boot_id
 from services.remediator.alerts import alert_id
-from services.remediator.main import BUCKETS as REMEDIATOR_BUCKETS
 from tests.e2e.daemon_logs import DaemonLogs
 from tests.kmsg_support import (
     MonitorProcess,
@@ -42,6 +41,7 @@ from tests.kmsg_support import (
     finding_for,
     kmsg_writable,
     random_pci,
+    remediation_bus,
     write_record,
     xid_record,
 )
@@ -59,10 +59,8 @@ def _has(pci: str) -> Callable[[SignalReport], bool]:
 @pytest.fixture
 async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
     """The test's connection, with the remediation buckets (signals, alerts) open."""
-    buckets = list(dict.fromkeys([*names.ALL_BUCKETS, *REMEDIATOR_BUCKETS]))
-    opened = await Bus.open(nats_server.url, name="test", buckets=buckets, streams=True)
-    yield opened
-    await opened.close()
+    async with remediation_bus(nats_server.url) as opened:
+        yield opened
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from libs.bus import Bus
-from libs.bus.auth import agent_inbox
+from libs.bus.auth import agent_inbox, public_key_of
 from libs.bus.server import free_port, nats_server_binary
 from libs.contracts import names
 from libs.contracts.base import now
@@ -35,7 +35,8 @@ def cluster(tmp_path: Path) -> Iterator[tuple[Path, list[str]]]:
     assert init.returncode == 0, init.stderr
     printed = dict(line.split("=", 1) for line in init.stdout.splitlines() if "=" in line)
     assert printed["NODUS_BUS_REPLICAS"] == "3"
-    assert (directory / "users" / "agent-m1.nk").stat().st_mode & 0o077 == 0
+    for user in ("agent-m1", "monitor-m1"):  # a machine's two users, each its own seed
+        assert (directory / "users" / f"{user}.nk").stat().st_mode & 0o077 == 0
     processes = [
         subprocess.Popen(
             [nats_server_binary(), "-c", str(directory / "servers" / f"n{i}" / "nats-server.conf")],
@@ -97,3 +98,29 @@ async def test_the_written_cluster_serves_a_replicated_confined_bus(
     monkeypatch.delenv("NODUS_NATS_CA")
     with pytest.raises(NodusError):
         await Bus.open(urls[0], credentials=str(users / "placer.nk"))
+
+
+def test_a_new_machine_gets_its_agents_and_its_monitors_user(tmp_path: Path) -> None:
+    """Both run on the machine, each confined to it; the monitor's is what its unit loads."""
+    directory = tmp_path / "bus"
+    servers = [f"--server=n{i}=127.0.0.1" for i in range(3)]
+
+    def nodus(*args: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "app", "bus", *args, "--dir", str(directory)],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done
+
+    nodus("init", "--here", *servers)
+    added = nodus("user", "--agent", "gpu-7")
+    users = directory / "users"
+    assert f"{users / 'monitor-gpu-7.nk'} as /etc/nodus/credentials/monitor.nk" in added.stdout
+    conf = (directory / "servers" / "n0" / "authorization.conf").read_text()
+    for user in ("agent-gpu-7", "monitor-gpu-7"):
+        assert (users / f"{user}.nk").stat().st_mode & 0o077 == 0
+        assert public_key_of((users / f"{user}.nk").read_text()) in conf
+    assert "_INBOX._monitor.gpu-7.>" in conf and "nodus-signals.gpu-7.*" in conf
+    again = nodus("user", "--agent", "gpu-7")  # kept, not made anew
+    assert again.stdout == added.stdout

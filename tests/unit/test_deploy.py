@@ -69,6 +69,30 @@ def test_each_relay_pod_uses_the_bus_user_of_its_own_node() -> None:
     assert env.index("NODE_NAME") < env.index("NODUS_CREDENTIALS")
 
 
+def test_each_machines_agent_and_monitor_use_their_machines_own_users() -> None:
+    # Both are confined to one machine: one Secret for every pod would let one machine's
+    # agent register and every other's be refused (and each pod could read every seed). The
+    # seeds are on each machine, where the systemd units read them too.
+    by_name = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    pod = by_name[("DaemonSet", "nodus-agent")]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    seeds = {"agent": "nats.nk", "monitor": "monitor.nk"}
+    for container in pod["containers"]:
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["NODUS_CREDENTIALS"] == f"/etc/nodus/credentials/{seeds[container['name']]}"
+        (mount,) = [
+            m for m in container["volumeMounts"] if m["mountPath"] == "/etc/nodus/credentials"
+        ]
+        assert mount["readOnly"]
+        assert volumes[mount["name"]]["hostPath"] == {
+            "path": "/etc/nodus/credentials",
+            "type": "Directory",
+        }
+    units = {d: (DEPLOY / "systemd" / f"nodus-{d}.service").read_text() for d in seeds}
+    assert "LoadCredential=nats.nk:/etc/nodus/credentials/nats.nk" in units["agent"]
+    assert "LoadCredential=nats.nk:/etc/nodus/credentials/monitor.nk" in units["monitor"]
+
+
 def test_the_nats_chart_values_ask_for_a_tls_cluster_of_three_with_jetstream() -> None:
     values = yaml.safe_load((DEPLOY / "kubernetes" / "nats-values.yaml").read_text())["config"]
     assert values["cluster"]["enabled"] and values["cluster"]["replicas"] == 3
