@@ -108,7 +108,10 @@ class Keys:
     bucket: str
     write: tuple[str, ...] = ()
     read: tuple[str, ...] = ()  # get one key, and watch keys matching
-    open: bool = True  # may look the bucket up (stream info): every bucket it uses
+    # May ask the bucket's stream about itself. Its answer may list every key's name (other
+    # gangs', other nodes'), so a user confined to its keys may not: it binds the bucket as
+    # it is (`Bus.open(confined=True)`) and counts its keys with a consumer of its own.
+    open: bool = False
 
     def subjects(self) -> list[str]:
         b, stream = self.bucket, f"KV_{self.bucket}"
@@ -203,9 +206,9 @@ def relay_permissions(relay: str) -> dict[str, Any]:
     """A relay reads every gang's members and epochs (it admits them), writes its own record
     and its usage."""
     keys = [
-        Keys(names.BUCKET_MEMBERS, read=(">",)),
-        Keys(names.BUCKET_EPOCHS, read=(">",)),
-        Keys(names.BUCKET_RELAYS, write=(relay,), read=(">",)),
+        Keys(names.BUCKET_MEMBERS, read=(">",), open=True),
+        Keys(names.BUCKET_EPOCHS, read=(">",), open=True),
+        Keys(names.BUCKET_RELAYS, write=(relay,), read=(">",), open=True),
     ]
     publish = [s for k in keys for s in k.subjects()]
     publish += [

@@ -72,6 +72,9 @@ class Bus:
         self.acks = Acks(nc)  # every JetStream write of this connection
         self._services: list[Service] = []
         self.replicas = replicas()  # copies of what it creates
+        # A user confined to its own keys (an agent, a machine's monitor): it may not ask a
+        # bucket's stream about itself, whose answer lists every key's name (S1).
+        self.confined = False
 
     @classmethod
     async def open(
@@ -83,11 +86,14 @@ class Bus:
         streams: bool = False,
         inbox_prefix: str | None = None,
         replicas: int | None = None,
+        confined: bool = False,
     ) -> Bus:
         """Connect and make sure the journal is there (C7): refuse to start without it.
-        Streams and buckets it creates keep `replicas` copies (default NODUS_BUS_REPLICAS)."""
+        Streams and buckets it creates keep `replicas` copies (default NODUS_BUS_REPLICAS).
+        `confined`: a user that may use only its own keys (see `Bus.confined`)."""
         nc = await connect(url, name=name, credentials=credentials, inbox_prefix=inbox_prefix)
         bus = cls(nc, jetstream(nc))
+        bus.confined = confined
         if replicas is not None:
             bus.replicas = replicas
         try:
@@ -128,6 +134,15 @@ class Bus:
             raise _journal_error(f"stream {name}", error) from error
 
     async def ensure_bucket(self, name: str) -> None:
+        if self.confined:
+            # Bound as it is, asking nothing: a confined user's first read or watch of its
+            # own keys is where a missing bucket shows. The control plane makes the buckets
+            # and turns on direct reads, which a confined user's permissions require.
+            kv = KeyValue(
+                name=name, stream=f"KV_{name}", pre=f"$KV.{name}.", js=self.js, direct=True
+            )
+            self._buckets[name] = named_watches(kv)
+            return
         try:
             # A daemon that starts while a server fails over waits for the bus (S4), as
             # every later call does; a refusal (S1) is not retried.
@@ -187,7 +202,7 @@ class Bus:
     def bucket(self, name: str, kind: type[S]) -> Bucket[S]:
         if name not in self._buckets:
             raise NodusError(ErrorCode.INTERNAL, f"bucket {name} was not opened at start")
-        return Bucket(self._buckets[name], kind, name, self.acks)
+        return Bucket(self._buckets[name], kind, name, self.acks, self.confined)
 
     async def replay(self, stream: str, subject: str, timeout: float = 30.0) -> list[Msg]:
         """Every message `stream` holds on `subject`, oldest first, each once. The stream says

@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 import nats.errors
-from nats.js.api import ConsumerConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from nats.nuid import NUID
@@ -43,6 +43,9 @@ WATCH_HEARTBEAT_SECONDS = 1.0
 RECREATE_TRY_SECONDS = 2.0
 RECREATE_PAUSE_SECONDS = 0.1
 RECREATE_SECONDS = 30.0
+# A confined user counts the keys it may read with a consumer of its own, dropped this long
+# after (it reads nothing from it).
+COUNTING_CONSUMER_SECONDS = 2.0
 
 
 class _NamedConsumers:
@@ -134,8 +137,11 @@ class Change(Generic[T]):
 class Bucket(Generic[T]):
     """One KV bucket holding records of one type."""
 
-    def __init__(self, kv: KeyValue, kind: type[T], name: str, acks: Acks) -> None:
+    def __init__(
+        self, kv: KeyValue, kind: type[T], name: str, acks: Acks, confined: bool = False
+    ) -> None:
         self._kv = kv
+        self._confined = confined  # see Bus.confined
         self._nc: Any = kv._js._nc  # its connection: a refused publish is not retried
         self._acks = acks  # its connection's writes: see libs.bus.acks
         self._subjects: str = kv._pre  # "$KV.<bucket>." (or a domain's prefix)
@@ -257,7 +263,26 @@ class Bucket(Generic[T]):
 
     async def _matches_anything(self, keys: str) -> bool:
         """Does any key (live or deleted) match? nats-py's end-of-initial-values marker can
-        arrive before an in-flight first value, so emptiness is asked of the stream instead."""
+        arrive before an in-flight first value, so emptiness is asked of the stream instead;
+        a confined user asks a consumer of the keys it may read, which the server drops soon
+        (the stream's answer may list every key's name, which such a user may not learn)."""
+        if self._confined:
+            stream = f"KV_{self.name}"
+            config = ConsumerConfig(
+                name=NUID().next().decode(),
+                filter_subject=self.subject(keys),
+                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                ack_policy=AckPolicy.NONE,
+                inactive_threshold=COUNTING_CONSUMER_SECONDS,
+                mem_storage=True,
+                num_replicas=1,
+            )
+            counted = await retrying(
+                lambda: self._kv._js._jsm.add_consumer(stream, config),
+                f"count {self.name}",
+                self._nc,
+            )
+            return bool(counted.num_pending)
         info = await retrying(
             lambda: self._kv._js.stream_info(
                 f"KV_{self.name}", subjects_filter=f"$KV.{self.name}.{keys}"

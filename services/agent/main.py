@@ -173,6 +173,7 @@ async def _body(args: argparse.Namespace, stop: asyncio.Event) -> None:
         credentials=args.credentials,
         buckets=AGENT_BUCKETS,
         inbox_prefix=agent_inbox(args.node),  # the only inbox its bus user may read (S1)
+        confined=True,
     )
     rebooting = asyncio.Event()
 

@@ -417,6 +417,7 @@ async def _body(
         credentials=args.credentials,
         # A machine's own monitor receives replies only on its own inbox (S1).
         inbox_prefix=monitor_inbox(args.node) if args.node else None,
+        confined=bool(args.node),
     )
     try:
         if args.node:  # before the buckets: another user is refused them, and would say less

@@ -4,7 +4,9 @@ in the same run, rounds interleaved so both see the same machine.
 
 Per round and server: connecting (NKey signs the server's nonce), KV puts of the agent's own
 key (the heartbeat), gets by key (direct reads, which confinement needs), a watch's first
-value (a named consumer), and request/reply to the agent's node subject.
+value (a named consumer), a snapshot of its own key (whether any key matches is asked of a
+consumer of its own keys when confined, of the stream otherwise), and request/reply to the
+agent's node subject.
 
     python -m tests.bench.bus_auth [--rounds N] [--ops N] [--quick]
 """
@@ -58,6 +60,7 @@ async def _round(
         credentials=seed,
         buckets=[names.BUCKET_HEALTH],
         inbox_prefix=agent_inbox(NODE) if seed else None,
+        confined=bool(seed),
     )
     connect_ms = (time.perf_counter() - t0) * 1000
     try:
@@ -75,6 +78,13 @@ async def _round(
         async for _change in health.watch(NODE):
             break
         watch_ms = (time.perf_counter() - t0) * 1000
+        # A snapshot asks first whether any key matches: the stream (unconfined), or a consumer
+        # of the agent's own keys (confined: the stream's answer may list every key's name).
+        snapshots = max(10, ops // 10)
+        t0 = time.perf_counter()
+        for _ in range(snapshots):
+            assert NODE in await health.snapshot(NODE)
+        snapshot_ms = (time.perf_counter() - t0) / snapshots * 1000
         subject = names.node_request(
             NODE, names.AgentVerb.INFO
         )  # echoed by the bench, not an agent
@@ -100,6 +110,7 @@ async def _round(
         "kv_put_us": put_us,
         "kv_get_us": get_us,
         "watch_first_value_ms": watch_ms,
+        "snapshot_ms": snapshot_ms,
         "request_us": request_us,
     }
 

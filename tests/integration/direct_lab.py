@@ -52,7 +52,7 @@ async def main(url, credentials, epoch_json, node, underlay):
     me = next(m for m in epoch.members if m.node == node)
     # As the agent does: its own bus user, confined to its node (S1).
     bus = await Bus.open(url, name=node, credentials=credentials, buckets=AGENT_BUCKETS,
-                         inbox_prefix=agent_inbox(node))
+                         inbox_prefix=agent_inbox(node), confined=True)
     private = generate_private_key()
     record = Member(gang=epoch.gang, epoch=epoch.epoch, node=node, rank=me.rank,
                     address=me.address, wg_public_key=key_to_base64(public_key(private)),

@@ -14,6 +14,7 @@ import nats
 import nats.errors
 import pytest
 from nats.aio.client import Client as NatsClient
+from nats.js.kv import KeyValue
 
 from libs.bus import Bus
 from libs.bus.auth import AGENT, AGENT_BUCKETS, RELAY, agent_inbox
@@ -103,7 +104,11 @@ async def test_an_agent_does_its_own_nodes_work(nats_server: NatsServer, bus: Bu
     )
     await peers.put(names.peer_key("acme.train", 1, "node-a", "node-b"), record)
     agent = await Bus.open(
-        nats_server.url, credentials=seed, buckets=AGENT_BUCKETS, inbox_prefix=agent_inbox("node-a")
+        nats_server.url,
+        credentials=seed,
+        buckets=AGENT_BUCKETS,
+        inbox_prefix=agent_inbox("node-a"),
+        confined=True,
     )
     try:
         health = agent.bucket(names.BUCKET_HEALTH, NodeHealth)
@@ -152,9 +157,21 @@ async def test_an_agent_cannot_read_another_gangs_join_key(agent_a: Confined) ->
             "$JS.API.STREAM.MSG.GET.KV_nodus-joinkeys", b'{"seq": 2}', timeout=REFUSAL_WAIT
         )
     assert await agent_a.refused("$js.api.stream.msg.get.kv_nodus-joinkeys")
+    # The stream's description would list every key's name (other nodes' gangs): refused.
+    with pytest.raises(nats.errors.TimeoutError):
+        await agent_a.nc.request(
+            "$JS.API.STREAM.INFO.KV_nodus-joinkeys", b'{"subjects_filter": ">"}', timeout=1
+        )
+    assert await agent_a.refused("$js.api.stream.info.kv_nodus-joinkeys")
     # A watch of every key, or of another node's: its consumer is refused.
     js = agent_a.nc.jetstream(timeout=REFUSAL_WAIT)
-    kv = await js.key_value(names.BUCKET_JOINKEYS)
+    kv = KeyValue(
+        name=names.BUCKET_JOINKEYS,
+        stream="KV_nodus-joinkeys",
+        pre="$KV.nodus-joinkeys.",
+        js=js,
+        direct=True,
+    )
     with pytest.raises(nats.errors.TimeoutError):
         await kv.watch("node-b.>")
     assert await agent_a.refused("$js.api.consumer.create.kv_nodus-joinkeys")
@@ -232,7 +249,11 @@ async def test_an_agent_answers_health_and_host_reboot_for_its_own_node_only(
         assert await agent_a.refused(f'subscription to "nodus.node.node-b.req.{verb}"')
     seed = nats_server.user("agent-node-a", AGENT, "node-a")
     confined = await Bus.open(
-        nats_server.url, credentials=seed, buckets=AGENT_BUCKETS, inbox_prefix=agent_inbox("node-a")
+        nats_server.url,
+        credentials=seed,
+        buckets=AGENT_BUCKETS,
+        inbox_prefix=agent_inbox("node-a"),
+        confined=True,
     )
     agent = Agent(confined, machine("node-a"), heartbeat_seconds=5)
     try:

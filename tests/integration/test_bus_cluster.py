@@ -80,6 +80,7 @@ async def test_the_written_cluster_serves_a_replicated_confined_bus(
             users / "agent-m1.nk",
             buckets=[names.BUCKET_HEALTH],
             inbox_prefix=agent_inbox("m1"),
+            confined=True,
         )
         try:
             health = agent.bucket(names.BUCKET_HEALTH, NodeHealth)

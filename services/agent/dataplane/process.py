@@ -151,6 +151,7 @@ async def _main(args: argparse.Namespace) -> int:
         credentials=args.credentials,
         buckets=AGENT_BUCKETS,
         inbox_prefix=agent_inbox(stored.state.dataplane.node if stored.state.dataplane else ""),
+        confined=True,
     )
     try:
         process = DataplaneProcess(epoch_dir, bus)
