@@ -69,7 +69,7 @@ def test_each_relay_pod_uses_the_bus_user_of_its_own_node() -> None:
     assert env.index("NODE_NAME") < env.index("NODUS_CREDENTIALS")
 
 
-def test_each_machines_agent_and_monitor_use_their_machines_own_users() -> None:
+def test_each_machines_agent_and_monitor_use_their_machines_own_users_and_facts() -> None:
     # Both are confined to one machine: one Secret for every pod would let one machine's
     # agent register and every other's be refused (and each pod could read every seed). The
     # seeds are on each machine, where the systemd units read them too.
@@ -88,6 +88,8 @@ def test_each_machines_agent_and_monitor_use_their_machines_own_users() -> None:
             "path": "/etc/nodus/credentials",
             "type": "Directory",
         }
+    # What the machine says of itself (region, pool, ...) is its own too, not one for all.
+    assert volumes["machine"]["hostPath"] == {"path": "/etc/nodus/machine.yaml", "type": "File"}
     units = {d: (DEPLOY / "systemd" / f"nodus-{d}.service").read_text() for d in seeds}
     assert "LoadCredential=nats.nk:/etc/nodus/credentials/nats.nk" in units["agent"]
     assert "LoadCredential=nats.nk:/etc/nodus/credentials/monitor.nk" in units["monitor"]
