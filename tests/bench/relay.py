@@ -43,6 +43,12 @@ runner's own probe (a short throughput sample through the same tunnels, reported
                            at once: the time until its members are homed on it again (they
                            wait RETURN_HOME_SECONDS of it up) and the longest gap around that
                            move, still under the stream
+              rescue       with `--relays 3` or more: gang 0 streams both ways and both of its
+                           relays are SIGKILLed at once and left down (their host lost): the
+                           time until each agent's `epochs` reply names a third relay (they
+                           wait RESCUE_SECONDS with no relay up), the longest gap, and the bill
+                           (the killed relays are started again after the stream, so that
+                           what they metered is published)
 
 Every stream is a deterministic 16 MiB pattern behind an 8-byte flow id; the receiver checks
 every byte in order and counts them against what was sent (`intact`). Goodput is measured at
@@ -134,6 +140,8 @@ def completed(result: dict[str, Any], only: str | None = None) -> bool:
             for k in ("a_to_b_alone", "b_to_a_alone", "both_at_once")
         ]
         checks += [on.get("gangs", {}).get("intact"), on.get("failover", {}).get("intact")]
+        if "rescue" in on:
+            checks.append(on["rescue"].get("intact"))
     return all(c is True for c in checks)
 
 

@@ -1,6 +1,7 @@
 """The Relayed-path bench's scenarios, each on its own system: `cap_off` (one pair, relays
 without the rate limit: the Relayed path against a direct connection and socat relays),
-`cap_on` (a gang alone, every gang at once) and `failover` (a relay SIGKILLed mid-stream).
+`cap_on` (a gang alone, every gang at once), `failover` (a relay SIGKILLed mid-stream) and,
+with a third relay, `rescue` (both of a gang's relays SIGKILLed mid-stream and left down).
 See tests/bench/relay.py for what each measures."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from libs.contracts.bounds import derive
 from libs.contracts.jobs import PathClass
+from services.agent.relayed.homing import RESCUE_SECONDS
 from tests.bench.relay_streams import (
     Flow,
     FlowSpec,
@@ -32,6 +34,8 @@ from tests.bench.running import sleep_until
 from tests.bench.sampling import written_bytes
 
 POLL = 0.02  # seconds between `epochs` requests while waiting for a member to move
+# A relay started again is up and has published what it metered before its kill.
+RESTART_AND_FLUSH = 4.0
 
 
 async def relays_carrying(bench: Bench, gang: Gang, sink: Any) -> list[str]:
@@ -254,6 +258,8 @@ async def cap_on(bench: Bench) -> dict[str, Any]:
         f"Jain {result['gangs']['jain_fairness']}"
     )
     result["failover"] = await failover(bench, first, a_to_b, b_to_a)
+    if bench.args.relays >= 3:
+        result["rescue"] = await rescue(bench, first, a_to_b, b_to_a)
     await bench.down()
     return result
 
@@ -340,10 +346,35 @@ async def failover(bench: Bench, gang: Gang, a_to_b: FlowSpec, b_to_a: FlowSpec)
     killed = action.pop("killed_at")
     action.pop("restarted_at")
     returned = action.pop("returned_at")
-    flows: dict[str, Flow] = measure["_flows"]
-    gaps: dict[str, Any] = {}
+    gaps = _delivery_after_kill(bench, measure["_flows"], killed, bench.args.failover_seconds)
     t0 = killed - bench.args.kill_at
     stop = t0 + bench.args.failover_seconds  # the senders stop here
+    for name, flow in measure["_flows"].items():
+        # The members moved home again, under the stream, once the relay was back.
+        gaps[name]["longest_gap_around_return_ms"] = _gap_around(flow, returned, stop)
+    return {
+        "killed": victim,
+        "homes_before": before,
+        **action,
+        "delivery": gaps,
+        "mbit_s_over_stream": {n: f["mbit_s"] for n, f in measure["flows"].items()},
+        # The killed relay's counts survive in its usage journal and are published when
+        # it starts again (billing.py); resends through the other relay add.
+        "billed_over_delivered": measure["billed_over_delivered"],
+        "killed_relay_restarted": True,
+        "others_busy_cores": measure["others_busy_cores"],
+        "intact": all_intact(measure),
+    }
+
+
+def _delivery_after_kill(
+    bench: Bench, flows: dict[str, Flow], killed: float, seconds: float
+) -> dict[str, Any]:
+    """Each flow's delivery around a kill `kill_at` s into a stream of `seconds`: its longest
+    pause from 0.5 s before the kill until the senders stop, and its rates."""
+    gaps: dict[str, Any] = {}
+    t0 = killed - bench.args.kill_at
+    stop = t0 + seconds  # the senders stop here
     for name, flow in flows.items():
         # Intervals between deliveries that overlap [kill - 0.5 s, senders stop].
         times = [t for t, _ in flow.timeline if t < stop]
@@ -359,20 +390,61 @@ async def failover(bench: Bench, gang: Gang, a_to_b: FlowSpec, b_to_a: FlowSpec)
             "mbit_s_after_kill": rate_between(flow, killed, killed + after),
             "after_kill_window_s": round(after, 3),
             "bytes_after_kill": flow.received - at_kill,
-            # The members moved home again, under the stream, once the relay was back.
-            "longest_gap_around_return_ms": _gap_around(flow, returned, stop),
             "intact": flow.intact and flow.sent == flow.received,
         }
+    return gaps
+
+
+async def rescue(bench: Bench, gang: Gang, a_to_b: FlowSpec, b_to_a: FlowSpec) -> dict[str, Any]:
+    """Both of the gang's relays SIGKILLed at once mid-stream and left down (their host lost):
+    how long until each member is on another relay (homing.RESCUE_SECONDS, then a connect),
+    the longest pause of the stream, and the bill. Both are started again once the stream is
+    over, so that what they metered is published (billing.py). Needs a third relay."""
+    assert bench.system is not None and len(gang.relays) == 2
+    victims = gang.relays
+    children = [c for c in bench.system.children if c.name in victims]
+    # Long enough for the members' wait and a few seconds through the third relay.
+    seconds = max(bench.args.failover_seconds, bench.args.kill_at + RESCUE_SECONDS + 4.0)
+
+    async def kill_both(t0: float, _: dict[str, Flow]) -> dict[str, Any]:
+        await sleep_until(t0 + bench.args.kill_at)
+        killed = time.monotonic()
+        for child in children:
+            os.kill(child.process.pid, signal.SIGKILL)
+        moved: dict[str, float | None] = dict.fromkeys(gang.nodes)
+        homes: dict[str, str | None] = dict.fromkeys(gang.nodes)
+        while None in moved.values() and time.monotonic() < t0 + seconds:
+            for node in [n for n, t in moved.items() if t is None]:
+                try:
+                    home = await bench.joined(node)
+                except Exception:  # the agent busy: ask again
+                    continue
+                if home is not None and home not in victims:
+                    moved[node] = round(time.monotonic() - killed, 3)
+                    homes[node] = home
+            await asyncio.sleep(POLL)
+        return {"killed_at": killed, "time_to_rescue_s": moved, "homes_after": homes}
+
+    before = await bench.billed([gang])
+    measure = await stream(
+        [a_to_b, b_to_a],
+        seconds=seconds,
+        warmup=bench.args.warmup,
+        procs=bench.gang_procs(gang),
+        action=kill_both,
+    )
+    for victim in victims:
+        bench.system.restart(victim)
+    await asyncio.sleep(RESTART_AND_FLUSH)
+    delivered = sum(f["received_bytes"] for f in measure["flows"].values())
+    billed = await bench.billed([gang]) - before
+    action = measure["action"]
+    killed = action.pop("killed_at")
     return {
-        "killed": victim,
-        "homes_before": before,
+        "killed": victims,
         **action,
-        "delivery": gaps,
-        "mbit_s_over_stream": {n: f["mbit_s"] for n, f in measure["flows"].items()},
-        # The killed relay's counts survive in its usage journal and are published when
-        # it starts again (billing.py); resends through the other relay add.
-        "billed_over_delivered": measure["billed_over_delivered"],
-        "killed_relay_restarted": True,
-        "others_busy_cores": measure["others_busy_cores"],
+        "stream_s": seconds,
+        "delivery": _delivery_after_kill(bench, measure["_flows"], killed, seconds),
+        "billed_over_delivered": round(billed / delivered, 4) if delivered else None,
         "intact": all_intact(measure),
     }

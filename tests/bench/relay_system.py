@@ -114,6 +114,7 @@ class Gang:
     socks: tuple[tuple[str, int], tuple[str, int]] = (("", 0), ("", 0))
     sinks: tuple[Sink, Sink] | None = None
     homes: dict[str, str | None] = field(default_factory=dict)
+    relays: list[str] = field(default_factory=list)  # the two the placer chose (its status)
     lifecycle: dict[str, Any] = field(default_factory=dict)
 
 
@@ -204,6 +205,7 @@ class Bench:
             await asyncio.sleep(0.2)
         for gang, found in zip(plan, jobs, strict=True):
             gang.lifecycle = lifecycle(found)
+            gang.relays = list(found.status.gang.relays) if found.status.gang else []
         await asyncio.sleep(USAGE_FLUSH)  # the probes' last bytes, metered before any measure
         records = {r.inventory.node: r for r, _, _ in await client.list_nodes()}
         for gang in plan:

@@ -49,3 +49,20 @@ def test_quick_bench_completes_with_every_figure_and_intact_bytes() -> None:
     for flow in failover["delivery"].values():
         assert flow["bytes_after_kill"] > 0
         assert "longest_gap_ms" in flow
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quick_bench_with_a_third_relay_measures_the_rescue() -> None:
+    # Both of gang 0's relays killed and left down: its members move to the third relay.
+    args = ["--quick", "--only", "cap-on", "--gangs", "2", "--relays", "3"]
+    result = run_bench("relay", args, timeout=580)
+    assert "error" not in result, result.get("error")
+    rescue = result["cap_on"]["rescue"]
+    assert rescue["intact"] is True
+    assert len(rescue["killed"]) == 2
+    third = {f"relay-{i}" for i in range(3)} - set(rescue["killed"])
+    assert set(rescue["homes_after"].values()) == third
+    assert all(t is not None for t in rescue["time_to_rescue_s"].values())
+    for flow in rescue["delivery"].values():
+        assert flow["bytes_after_kill"] > 0 and flow["longest_gap_ms"] is not None
