@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 import nats.errors
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import ConsumerConfig
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from nats.nuid import NUID
@@ -43,9 +43,8 @@ WATCH_HEARTBEAT_SECONDS = 1.0
 RECREATE_TRY_SECONDS = 2.0
 RECREATE_PAUSE_SECONDS = 0.1
 RECREATE_SECONDS = 30.0
-# A confined user counts the keys it may read with a consumer of its own, dropped this long
-# after (it reads nothing from it).
-COUNTING_CONSUMER_SECONDS = 2.0
+# How long a confined user waits for a direct read's answer (then it is retried).
+DIRECT_READ_SECONDS = 5.0
 
 
 class _NamedConsumers:
@@ -263,26 +262,27 @@ class Bucket(Generic[T]):
 
     async def _matches_anything(self, keys: str) -> bool:
         """Does any key (live or deleted) match? nats-py's end-of-initial-values marker can
-        arrive before an in-flight first value, so emptiness is asked of the stream instead;
-        a confined user asks a consumer of the keys it may read, which the server drops soon
-        (the stream's answer may list every key's name, which such a user may not learn)."""
+        arrive before an in-flight first value, so emptiness is asked of the stream instead.
+        A confined user may not ask the stream (its answer may list every key's name): it
+        reads the last record of the keys it may read, one direct read that names them in
+        its subject (which its permissions allow), answered "not found" when none match."""
         if self._confined:
-            stream = f"KV_{self.name}"
-            config = ConsumerConfig(
-                name=NUID().next().decode(),
-                filter_subject=self.subject(keys),
-                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-                ack_policy=AckPolicy.NONE,
-                inactive_threshold=COUNTING_CONSUMER_SECONDS,
-                mem_storage=True,
-                num_replicas=1,
-            )
-            counted = await retrying(
-                lambda: self._kv._js._jsm.add_consumer(stream, config),
-                f"count {self.name}",
+            subject = f"$JS.API.DIRECT.GET.KV_{self.name}.{self.subject(keys)}"
+            last = await retrying(
+                lambda: self._nc.request(subject, b"", timeout=DIRECT_READ_SECONDS),
+                f"look into {self.name}",
                 self._nc,
             )
-            return bool(counted.num_pending)
+            status = (last.headers or {}).get("Status")
+            if status == "404":
+                return False
+            if status is not None:  # another answer than a record (a 503 is retried above)
+                raise NodusError(
+                    ErrorCode.JOURNAL_UNAVAILABLE,
+                    f"bucket {self.name}: reading {keys} answered {status} "
+                    f"{(last.headers or {}).get('Description', '')}",
+                )
+            return True
         info = await retrying(
             lambda: self._kv._js.stream_info(
                 f"KV_{self.name}", subjects_filter=f"$KV.{self.name}.{keys}"
