@@ -116,6 +116,8 @@ async def test_an_agent_does_its_own_nodes_work(nats_server: NatsServer, bus: Bu
         assert await health.put("node-a", beat) > 0
         mine = await agent.bucket(names.BUCKET_PEERS, Member).snapshot("acme.train.1.node-a.*")
         assert [v.value.node for v in mine.values()] == ["node-b"]
+        # None of its own: the last of its keys is "not found" (no stream question asked).
+        assert await agent.bucket(names.BUCKET_JOINKEYS, JoinKeyGrant).snapshot("node-a.>") == {}
         await agent.bucket(names.BUCKET_PEERS, Member).put(
             names.peer_key("acme.train", 1, "node-b", "node-a"),
             Member(
@@ -157,6 +159,15 @@ async def test_an_agent_cannot_read_another_gangs_join_key(agent_a: Confined) ->
             "$JS.API.STREAM.MSG.GET.KV_nodus-joinkeys", b'{"seq": 2}', timeout=REFUSAL_WAIT
         )
     assert await agent_a.refused("$js.api.stream.msg.get.kv_nodus-joinkeys")
+    # The last of every key, or of another node's: a direct read naming them, refused.
+    for keys in (">", "node-b.>", "*.globex.>"):
+        with pytest.raises(nats.errors.TimeoutError):
+            await agent_a.nc.request(
+                f"$JS.API.DIRECT.GET.KV_nodus-joinkeys.$KV.nodus-joinkeys.{keys}",
+                b"",
+                timeout=REFUSAL_WAIT,
+            )
+        assert await agent_a.refused(f"$kv.nodus-joinkeys.{keys}")
     # The stream's description would list every key's name (other nodes' gangs): refused.
     with pytest.raises(nats.errors.TimeoutError):
         await agent_a.nc.request(
