@@ -110,7 +110,7 @@ class Keys:
     read: tuple[str, ...] = ()  # get one key, and watch keys matching
     # May ask the bucket's stream about itself. Its answer may list every key's name (other
     # gangs', other nodes'), so a user confined to its keys may not: it binds the bucket as
-    # it is (`Bus.open(confined=True)`) and counts its keys with a consumer of its own.
+    # it is (`Bus.open(confined=True)`) and reads the last of its keys directly instead.
     open: bool = False
 
     def subjects(self) -> list[str]:

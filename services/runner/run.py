@@ -16,6 +16,7 @@ from typing import Literal
 from nats.errors import Error as NatsError
 
 from libs.bus import Bus
+from libs.bus.retry import transient
 from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.epochs import Epoch
@@ -221,6 +222,24 @@ class GangRun:
         )
 
     async def _conclude(self, gang: str, epoch: int) -> None:
+        """Conclude the job if its ranks say so. A bus that does not answer for longer than a
+        call's retries (a server failing over on a loaded machine) leaves it to the sweep,
+        which looks again every CONCLUDE_SWEEP_SECONDS: said, not a crash."""
+        try:
+            await self._conclude_now(gang, epoch)
+        except Exception as error:
+            if not transient(error):
+                raise
+            log.warning(
+                "%s epoch %d: not concluded yet, the bus did not answer (%s); trying again "
+                "within %.0f s",
+                gang,
+                epoch,
+                error or type(error).__name__,
+                CONCLUDE_SWEEP_SECONDS,
+            )
+
+    async def _conclude_now(self, gang: str, epoch: int) -> None:
         job = await self.jobs.get(gang)
         if (
             job is None
