@@ -26,6 +26,7 @@ from libs.bus import Bus
 from libs.bus.server import free_port
 from libs.contracts import names
 from libs.contracts.remediation import Finding, SignalReport
+from services.remediator.main import BUCKETS as REMEDIATOR_BUCKETS
 
 KMSG = "/dev/kmsg"
 
@@ -34,8 +35,6 @@ KMSG = "/dev/kmsg"
 async def remediation_bus(url: str) -> AsyncIterator[Bus]:
     """The test's own connection (the operator's), with the remediation buckets (signals,
     alerts) open: the daemons never make them."""
-    from services.remediator.main import BUCKETS as REMEDIATOR_BUCKETS
-
     buckets = list(dict.fromkeys([*names.ALL_BUCKETS, *REMEDIATOR_BUCKETS]))
     opened = await Bus.open(url, name="test", buckets=buckets, streams=True)
     try:

@@ -44,7 +44,8 @@ class Confined:
         return False
 
 
-async def _connect(server: NatsServer, seed: str, inbox: str = "_INBOX") -> Confined:
+async def connect_confined(server: NatsServer, seed: str, inbox: str = "_INBOX") -> Confined:
+    """A raw client on `seed`'s user: every refusal the server reports is kept."""
     confined = Confined(nc=None)  # type: ignore[arg-type]
 
     async def on_error(error: Exception) -> None:
@@ -67,7 +68,7 @@ async def agent_a(nats_server: NatsServer, bus: Bus) -> AsyncIterator[Confined]:
     grants = bus.bucket(names.BUCKET_JOINKEYS, JoinKeyGrant)
     await grants.put("node-a.acme.train.1", JoinKeyGrant(token="for-a", verify_key="v"))
     await grants.put("node-b.globex.rl.3", JoinKeyGrant(token="secret-of-b", verify_key="v"))
-    confined = await _connect(
+    confined = await connect_confined(
         nats_server, nats_server.user("agent-node-a", AGENT, "node-a"), agent_inbox("node-a")
     )
     yield confined
@@ -209,7 +210,7 @@ async def test_an_agent_cannot_send_another_nodes_requests_or_the_apis(
 
 
 async def test_a_relay_writes_only_its_own_record(nats_server: NatsServer, bus: Bus) -> None:
-    relay = await _connect(nats_server, nats_server.user("relay-x", RELAY, "relay-x"))
+    relay = await connect_confined(nats_server, nats_server.user("relay-x", RELAY, "relay-x"))
     try:
         js = relay.nc.jetstream(timeout=REFUSAL_WAIT)
         assert (await js.publish("$KV.nodus-relays.relay-x", b"{}")).seq > 0

@@ -27,7 +27,7 @@ from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.fleet import NodeHealth
 from libs.contracts.providers import HealthCheckReply, HealthCheckRequest
-from tests.integration.test_bus_auth import REFUSAL_WAIT, Confined, _connect
+from tests.integration.test_bus_auth import REFUSAL_WAIT, Confined, connect_confined
 from tests.kmsg_support import REPO, MonitorProcess, SignalWatch, remediation_bus
 
 NODE = "gpu-a"
@@ -42,7 +42,7 @@ async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
 
 @pytest.fixture
 async def monitor_a(nats_server: NatsServer, bus: Bus) -> AsyncIterator[Confined]:
-    confined = await _connect(
+    confined = await connect_confined(
         nats_server, nats_server.user(f"monitor-{NODE}", MONITOR, NODE), monitor_inbox(NODE)
     )
     yield confined

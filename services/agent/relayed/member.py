@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from nats.errors import Error as NatsError
+
 from libs.bus import Bus, Versioned
 from libs.contracts import names
 from libs.contracts.base import now
@@ -173,7 +175,7 @@ class RelayedMember:
                 continue  # said at each rescue; the relays it has are still dialled
             try:
                 records = await live_relays(self.bus)
-            except Exception as error:  # the bus down too: try again at the next turn
+            except (NodusError, NatsError, OSError, TimeoutError) as error:  # the bus down too
                 log.warning("no relay list to rescue %s from: %s", self.member.node, error)
                 continue
             have = {r.name for r in relays.relays}
