@@ -165,8 +165,6 @@ AGENT_BUCKETS = [keys.bucket for keys in agent_keys("node")]
 
 def agent_permissions(node: str) -> dict[str, Any]:
     publish = [s for keys in agent_keys(node) for s in keys.subjects()]
-    # Whose it is: a monitor given its agent's seed asks, and says so instead of running on.
-    publish.append("$SYS.REQ.USER.INFO")
     subscribe = [f"{agent_inbox(node)}.>", names.node_requests(node)]
     return _answering(publish, subscribe, "nodus-agent")
 

@@ -264,6 +264,26 @@ async def cap_on(bench: Bench) -> dict[str, Any]:
     return result
 
 
+async def _moved_off(
+    bench: Bench, gang: Gang, victims: list[str], killed: float, until: float
+) -> tuple[dict[str, float | None], dict[str, str | None]]:
+    """Seconds from `killed` until each member's agent names a relay other than `victims` as
+    its home (polled every POLL s until `until`; None if not by then), and that relay."""
+    moved: dict[str, float | None] = dict.fromkeys(gang.nodes)
+    homes: dict[str, str | None] = dict.fromkeys(gang.nodes)
+    while None in moved.values() and time.monotonic() < until:
+        for node in [n for n, t in moved.items() if t is None]:
+            try:
+                home = await bench.joined(node)
+            except Exception:  # the agent busy: ask again
+                continue
+            if home is not None and home not in victims:
+                moved[node] = round(time.monotonic() - killed, 3)
+                homes[node] = home
+        await asyncio.sleep(POLL)
+    return moved, homes
+
+
 async def _returns(
     bench: Bench, before: dict[str, str | None], victim: str, until: float
 ) -> dict[str, float | None]:
@@ -300,23 +320,7 @@ async def failover(bench: Bench, gang: Gang, a_to_b: FlowSpec, b_to_a: FlowSpec)
         await sleep_until(t0 + bench.args.kill_at)
         killed = time.monotonic()
         os.kill(child.process.pid, signal.SIGKILL)
-        moved: dict[str, float | None] = {}
-        reported: dict[str, str | None] = {}
-        deadline = killed + 30
-        waiting = list(gang.nodes)
-        while waiting and time.monotonic() < deadline:
-            for node in list(waiting):
-                try:
-                    home = await bench.joined(node)
-                except Exception:  # the agent busy: ask again
-                    continue
-                if home is not None and home != victim:
-                    moved[node] = round(time.monotonic() - killed, 3)
-                    reported[node] = home
-                    waiting.remove(node)
-            await asyncio.sleep(POLL)
-        for node in waiting:
-            moved[node] = None
+        moved, reported = await _moved_off(bench, gang, [victim], killed, killed + 30)
         # Started again on its usage journal, as its supervisor (systemd, `nodus up`'s
         # caller) would: it publishes what it metered before the kill (billing.py).
         assert bench.system is not None
@@ -411,18 +415,7 @@ async def rescue(bench: Bench, gang: Gang, a_to_b: FlowSpec, b_to_a: FlowSpec) -
         killed = time.monotonic()
         for child in children:
             os.kill(child.process.pid, signal.SIGKILL)
-        moved: dict[str, float | None] = dict.fromkeys(gang.nodes)
-        homes: dict[str, str | None] = dict.fromkeys(gang.nodes)
-        while None in moved.values() and time.monotonic() < t0 + seconds:
-            for node in [n for n, t in moved.items() if t is None]:
-                try:
-                    home = await bench.joined(node)
-                except Exception:  # the agent busy: ask again
-                    continue
-                if home is not None and home not in victims:
-                    moved[node] = round(time.monotonic() - killed, 3)
-                    homes[node] = home
-            await asyncio.sleep(POLL)
+        moved, homes = await _moved_off(bench, gang, victims, killed, t0 + seconds)
         return {"killed_at": killed, "time_to_rescue_s": moved, "homes_after": homes}
 
     before = await bench.billed([gang])

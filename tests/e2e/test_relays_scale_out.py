@@ -7,7 +7,10 @@ relays, an agent per machine with its dataplane):
   though the four share one port for members and the kernel hands a connection to any;
 - a gang placed while one of two relays is down still gets both: its members home on the
   live one, connect to the other once it is back, and fail over to it (before, such a gang
-  had one relay, and no failover, for its whole life)."""
+  had one relay, and no failover, for its whole life);
+- iperf3 through the shim outlives both of its gang's relays being SIGKILLed for good (their
+  host lost): its members move to the third relay and iperf3 exits 0 with bytes moving after
+  the move (before, it stalled until its own timeout)."""
 
 from __future__ import annotations
 
@@ -15,14 +18,17 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from libs.bus.server import free_port
 from libs.contracts.relay import RELAY_FRESH_SECONDS
+from services.agent.relayed.homing import RESCUE_SECONDS
 from tests.e2e.nodus_cli import nodus_on
-from tests.e2e.relayed_lab import containers, new_system, start_lab
+from tests.e2e.relayed_lab import containers, new_system, program_env, start_lab, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -119,5 +125,46 @@ def test_a_gang_placed_while_a_relay_is_down_fails_over_to_it_once_it_is_back(
                 break
             time.sleep(0.2)
         assert set(homes.values()) == {"relay-0"}, homes
+    finally:
+        system.stop()
+
+
+def test_iperf3_outlives_both_of_its_gangs_relays_lost(tmp_path: Path) -> None:
+    system = new_system(tmp_path, containers("sx", 87, 2))
+    system.relays = 3
+    seconds = 16
+    try:
+        lab = asyncio.run(start_lab(system, "sx", ["sleep", "3600"]))
+        gang = lab.get_job().status.gang
+        assert gang is not None and len(gang.relays) == 2, gang
+        (third,) = {f"relay-{i}" for i in range(3)} - set(gang.relays)
+        port, host = free_port(), lab.server.address
+        server = ["iperf3", "-s", "-B", host, "-p", str(port), "-1"]
+        with start_server(server, tmp_path / "iperf3-server.log", port):
+            client = subprocess.Popen(
+                ["iperf3", "-c", host, "-p", str(port), "-t", str(seconds), "--json"],
+                env=program_env(lab.client.env),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                time.sleep(3)
+                for lost in gang.relays:  # for good: nothing starts them again
+                    lab.kill_relay(lost)
+                out, err = client.communicate(timeout=seconds + 45)
+            finally:
+                if client.poll() is None:
+                    client.kill()
+                    client.communicate()
+        homes = {m.node: lab.home_relay(m.node) for m in lab.members}
+        assert set(homes.values()) == {third}, (homes, gang.relays)
+        report = json.loads(out) if out.startswith("{") else {}
+        assert client.returncode == 0 and report and "error" not in report, (out[-2000:], err)
+        # Bytes moved through the third relay: the last seconds, after the members' wait.
+        after = [
+            i["sum"]["bytes"] for i in report["intervals"] if i["sum"]["start"] > 4 + RESCUE_SECONDS
+        ]
+        assert after and all(b > 0 for b in after), report["intervals"]
     finally:
         system.stop()
