@@ -39,8 +39,11 @@ EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 # two more: at its default of 5 s a watch saw nothing for 10-20 s (placers missed released
 # leases, runners missed joins). Idle heartbeats are a few bytes a second per watch.
 WATCH_HEARTBEAT_SECONDS = 1.0
-# Making a lost watch's consumer again: each try bounded, the next at once, for so long.
-RECREATE_TRY_SECONDS = 2.0
+# Making a lost watch's consumer again: each try bounded, the next at once, for so long. A try
+# sent while the cluster has no JetStream metadata leader (the dead server held it) is never
+# answered: 1-s tries see the new leader within about a second of its election (2-s ones left a
+# watch blind for 10.0 s in CI).
+RECREATE_TRY_SECONDS = 1.0
 RECREATE_PAUSE_SECONDS = 0.1
 RECREATE_SECONDS = 30.0
 # How long a confined user waits for a direct read's answer (then it is retried).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ import msgspec
 import pytest
 
 from libs.bus import Bus
-from libs.bus.server import NatsCluster
+from libs.bus.server import META_LEADER, NatsCluster
 
 BUCKET = "nodus-failover-test"
 STREAM = "FAILOVER_TEST"
@@ -124,9 +125,31 @@ async def test_counting_through_the_loss_of_a_server_loses_nothing_and_doubles_n
         await bus.close()
 
 
-# nats-py's default, 5-s heartbeats, left a watch blind for 11-19 s after its consumer's server
-# died (measured); with 1-s heartbeats it saw the next change within 2.6 s.
-WATCH_BLIND_AT_MOST_SECONDS = 9.0
+# A watch's consumer lives on one server. Once it is lost, nats-py notices two to four heartbeats
+# later (its activity check) and the consumer is made again: at nats-py's default of 5-s
+# heartbeats that left a watch blind for 11-19 s (measured); at 1 s, within 4 s.
+WATCH_BLIND_AT_MOST_SECONDS = 6.0
+# But no consumer can be made while the cluster has no JetStream metadata leader: when the
+# server that died held it too, the others elect one 4-9 s later (nats-server's Raft election
+# timeouts; measured 4.1-6.6 s). A watch then sees the change within a try of that election.
+WATCH_AFTER_ELECTION_AT_MOST_SECONDS = 3.0
+
+
+def _metadata_leader_elected_after(cluster: NatsCluster, wall: float) -> float | None:
+    """When a running server first logged a new JetStream metadata leader after `wall`
+    (time.time()), or None: the killed server did not hold it."""
+    stamps = []
+    for server in cluster.servers:
+        if server.process is None or server.process.poll() is not None:
+            continue
+        for line in (server.store_dir / "nats-server.log").read_text(errors="replace").splitlines():
+            if any(marker.decode() in line for marker in META_LEADER):
+                # "[pid] 2026/12/06 16:55:53.789123 [INF] ...", in local time
+                stamp = " ".join(line.split()[1:3])
+                at = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                if at > wall:
+                    stamps.append(at)
+    return min(stamps, default=None)
 
 
 @pytest.mark.timeout(120)
@@ -134,7 +157,9 @@ async def test_a_watch_whose_server_dies_sees_the_next_change_within_seconds(
     cluster: NatsCluster,
 ) -> None:
     """A watch is a one-replica consumer on one server. The placer's watch of leases and the
-    runner's of joins must not go blind for long when that server dies."""
+    runner's of joins must not go blind for long when that server dies: no longer than nats-py
+    takes to notice, or, when that server held the JetStream metadata, than the others take to
+    elect a new holder."""
     bus = await _open(cluster)
     try:
         counter = bus.bucket(BUCKET, Count)
@@ -153,14 +178,26 @@ async def test_a_watch_whose_server_dies_sees_the_next_change_within_seconds(
         consumers = await bus.js._jsm.consumers_info(f"KV_{BUCKET}")
         assert len(consumers) == 1 and consumers[0].cluster is not None
         assert consumers[0].config.idle_heartbeat == 1.0
+        killed_at, killed_wall = time.monotonic(), time.time()
         cluster.kill(_index(consumers[0].cluster.leader))
         await counter.put("n", Count(1))  # retried through a leader election if need be
         written = time.monotonic()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(arrived[1].wait(), 30)
         assert 1 in seen, "the watch never saw the change"
-        blind = seen[1] - written
-        assert blind <= WATCH_BLIND_AT_MOST_SECONDS, f"the watch saw the change {blind:.1f} s late"
+        elected_wall = _metadata_leader_elected_after(cluster, killed_wall)
+        if elected_wall is None:
+            blind = seen[1] - written
+            assert blind <= WATCH_BLIND_AT_MOST_SECONDS, (
+                f"the watch saw the change {blind:.1f} s late"
+            )
+        else:
+            elected = killed_at + (elected_wall - killed_wall)
+            late = seen[1] - max(written, elected)
+            assert late <= WATCH_AFTER_ELECTION_AT_MOST_SECONDS, (
+                f"the watch saw the change {late:.1f} s after a new metadata leader was elected "
+                f"({elected - killed_at:.1f} s after the kill)"
+            )
         watcher.cancel()
     finally:
         await bus.close()
