@@ -7,6 +7,7 @@ member of a 2-member gang may send four times what one of an 8-member gang may."
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
@@ -82,11 +83,27 @@ def nearness(relay_region: str, member: Whereabouts, classes: Mapping[str, str])
     return 1 if in_class else 0
 
 
-def nearest_first(records: Iterable[RelayRecord], member: Whereabouts) -> list[RelayRecord]:
-    """Relays nearest `member` first, then by name: what a member falls back on without the
-    placer's choice. It knows its own region and class, not the fleet's (a relay in another
-    region of its class counts as far unless its region is the class)."""
-    return sorted(records, key=lambda r: (-nearness(r.region, member, {}), r.name))
+def nearest_first(
+    records: Iterable[RelayRecord], member: Whereabouts, spread: str | None = None
+) -> list[RelayRecord]:
+    """Relays nearest `member` first: what a member falls back on without the placer's choice.
+    It knows its own region and class, not the fleet's (a relay in another region of its class
+    counts as far unless its region is the class). Among equally near relays: by name, as the
+    placer counts a gang placed without named relays; or, given `spread` (the gang), in that
+    gang's own order, so that the gangs of a relay host that is lost spread evenly over the
+    relays left, instead of all landing on the first by name, while one gang's members agree."""
+    if spread is None:
+        return sorted(records, key=lambda r: (-nearness(r.region, member, {}), r.name))
+    return sorted(
+        records,
+        key=lambda r: (-nearness(r.region, member, {}), _rendezvous(spread, r.name), r.name),
+    )
+
+
+def _rendezvous(gang: str, relay: str) -> bytes:
+    """A relay's place in a gang's own order (rendezvous hashing): independent across gangs,
+    and a relay added or gone moves only the gangs that would rank it first."""
+    return hashlib.blake2b(f"{gang}\0{relay}".encode(), digest_size=8).digest()
 
 
 _FRESH = timedelta(seconds=RELAY_FRESH_SECONDS)

@@ -176,9 +176,10 @@ class DirectMember:
 
     async def start(self) -> None:
         relays = await live_relays(self.bus)
-        # The gang's two relays when the placer named them, else the two live nearest.
+        # The gang's two relays when the placer named them, else the two live nearest (in the
+        # gang's own order among equals when its named ones are gone: gangs spread).
         relays = [r for r in relays if r.name in self.epoch.relays] or nearest_first(
-            relays, self.where
+            relays, self.where, spread=self.epoch.gang if self.epoch.relays else None
         )
         self._stun = next((_split(r.stun_address) for r in relays if r.stun_address), None)
         await self.device.create(self.member.address, MESH_PREFIX)

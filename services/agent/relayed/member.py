@@ -48,12 +48,13 @@ async def live_relays(bus: Bus) -> list[RelayRecord]:
 
 
 async def pick_relays(
-    bus: Bus, named: list[str], where: Whereabouts = NOWHERE, wait: float = 30.0
+    bus: Bus, named: list[str], where: Whereabouts = NOWHERE, wait: float = 30.0, gang: str = ""
 ) -> list[RelayRecord]:
     """The gang's relays (`named`, the placer's choice, in its order) once one of them is
     live; without names, or when neither is live within `wait`, the two live relays nearest
-    the member (`where`), by name among equals (every relay reaches every other in one hop,
-    so any two carry the gang)."""
+    the member (`where`): by name among equals without names (as the placer counts them), in
+    the gang's own order when its named ones are gone (gangs spread over the relays left).
+    Every relay reaches every other in one hop, so any two carry the gang."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
     while True:
@@ -61,7 +62,7 @@ async def pick_relays(
         chosen = [records[name].value for name in named if name in records]
         if any(_fresh(r) for r in chosen):
             return chosen
-        live = nearest_first(_live(records), where)
+        live = nearest_first(_live(records), where, spread=gang if named else None)
         late = loop.time() > deadline
         if live and (not named or late):
             if named:
@@ -100,7 +101,7 @@ class RelayedMember:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        picked = await pick_relays(self.bus, self.epoch.relays, self.where)
+        picked = await pick_relays(self.bus, self.epoch.relays, self.where, gang=self.epoch.gang)
         slot = self.member.relay_slot % len(picked)
         picked = picked[slot:] + picked[:slot]  # home first (the placer's choice), then failover
         device = WgDevice(self.wg_private)
@@ -179,7 +180,8 @@ class RelayedMember:
                 log.warning("no relay list to rescue %s from: %s", self.member.node, error)
                 continue
             have = {r.name for r in relays.relays}
-            spare = [r for r in nearest_first(records, self.where) if r.name not in have]
+            nearest = nearest_first(records, self.where, spread=self.epoch.gang)
+            spare = [r for r in nearest if r.name not in have]
             if not spare:
                 if not said:
                     log.warning("%s: no relay it has is up, and no other is live", tunnel.node)
