@@ -4,6 +4,7 @@ nearest its own machine, not the first by name (which may be a continent away)."
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import timedelta
 
 from libs.bus import Bus
@@ -54,3 +55,23 @@ async def test_a_member_that_does_not_say_where_it_is_takes_relays_by_name(bus: 
     await fleet_of_relays(bus)
     picked = await pick_relays(bus, [], wait=0.2)
     assert [r.name for r in picked] == ["relay-ap", "relay-eu"]
+
+
+async def test_gangs_whose_named_relays_are_gone_spread_over_the_equally_near_ones(
+    bus: Bus,
+) -> None:
+    """A relay host lost takes both relays of many gangs: their members must not all land on
+    the first of the equally near relays left by name."""
+    await fleet_of_relays(bus)
+    for side in "bcd":
+        await announce(bus, f"relay-euw1-{side}", "eu-west-1")
+    homes: Counter[str] = Counter()
+    for index in range(40):
+        gang = f"acme.job-{index}"
+        gone = ["relay-gone-a", "relay-gone-b"]
+        picked = await pick_relays(bus, gone, IN_EU_WEST, wait=0.0, gang=gang)
+        assert {r.region for r in picked} == {"eu-west-1"}
+        again = await pick_relays(bus, gone, IN_EU_WEST, wait=0.0, gang=gang)
+        assert again == picked  # the gang's other members pick the same
+        homes[picked[0].name] += 1
+    assert len(homes) == 4 and max(homes.values()) <= 20, homes

@@ -62,7 +62,7 @@ async def pick_relays(
         chosen = [records[name].value for name in named if name in records]
         if any(_fresh(r) for r in chosen):
             return chosen
-        live = nearest_first(_live(records), where, spread=gang if named else None)
+        live = nearest_first(_live(records), where, spread=gang if named and gang else None)
         late = loop.time() > deadline
         if live and (not named or late):
             if named:
