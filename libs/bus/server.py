@@ -12,6 +12,7 @@ import subprocess
 import sysconfig
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from libs.bus.auth import OPERATOR
@@ -313,6 +314,23 @@ class NatsCluster:
                         f"see {log_path}",
                     )
                 time.sleep(0.05)
+
+    def metadata_leader_elected_after(self, wall: float) -> float | None:
+        """When a running server first logged a new JetStream metadata leader after `wall`
+        (time.time()), or None. Until one is elected no stream or consumer can be made: a
+        watch whose consumer died with the leader's server waits for it."""
+        stamps = []
+        for server in self.servers:
+            if server.process is None or server.process.poll() is not None:
+                continue
+            for line in (server.store_dir / "nats-server.log").read_bytes().splitlines():
+                if any(marker in line for marker in META_LEADER):
+                    # b"[pid] 2026/12/06 16:55:53.789123 [INF] ...", in local time
+                    stamp = b" ".join(line.split()[1:3]).decode()
+                    at = datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                    if at > wall:
+                        stamps.append(at)
+        return min(stamps, default=None)
 
     def stop(self) -> None:
         for server in self.servers:

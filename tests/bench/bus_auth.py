@@ -4,9 +4,9 @@ in the same run, rounds interleaved so both see the same machine.
 
 Per round and server: connecting (NKey signs the server's nonce), KV puts of the agent's own
 key (the heartbeat), gets by key (direct reads, which confinement needs), a watch's first
-value (a named consumer), a snapshot of its own key (whether any key matches is asked of a
-consumer of its own keys when confined, of the stream otherwise), and request/reply to the
-agent's node subject.
+value (a named consumer), a snapshot of its own key (whether any key matches is asked by a
+direct read of the last of its keys when confined, of the stream otherwise), and
+request/reply to the agent's node subject.
 
     python -m tests.bench.bus_auth [--rounds N] [--ops N] [--quick]
 """

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +16,8 @@ import msgspec
 import pytest
 
 from libs.bus import Bus
-from libs.bus.server import META_LEADER, NatsCluster
+from libs.bus.server import NatsCluster
+from tests.bench.watch_failover import open_bus, watch_through_a_kill
 
 BUCKET = "nodus-failover-test"
 STREAM = "FAILOVER_TEST"
@@ -39,14 +38,7 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NatsClu
 
 
 async def _open(cluster: NatsCluster) -> Bus:
-    deadline = time.monotonic() + 30
-    while True:  # the servers elect a JetStream meta leader first
-        try:
-            return await Bus.open(cluster.url, credentials=cluster.credentials, buckets=[BUCKET])
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
+    return await open_bus(cluster, (BUCKET,))
 
 
 def _index(server_name: str | None) -> int:
@@ -135,23 +127,6 @@ WATCH_BLIND_AT_MOST_SECONDS = 6.0
 WATCH_AFTER_ELECTION_AT_MOST_SECONDS = 3.0
 
 
-def _metadata_leader_elected_after(cluster: NatsCluster, wall: float) -> float | None:
-    """When a running server first logged a new JetStream metadata leader after `wall`
-    (time.time()), or None: the killed server did not hold it."""
-    stamps = []
-    for server in cluster.servers:
-        if server.process is None or server.process.poll() is not None:
-            continue
-        for line in (server.store_dir / "nats-server.log").read_text(errors="replace").splitlines():
-            if any(marker.decode() in line for marker in META_LEADER):
-                # "[pid] 2026/12/06 16:55:53.789123 [INF] ...", in local time
-                stamp = " ".join(line.split()[1:3])
-                at = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                if at > wall:
-                    stamps.append(at)
-    return min(stamps, default=None)
-
-
 @pytest.mark.timeout(120)
 async def test_a_watch_whose_server_dies_sees_the_next_change_within_seconds(
     cluster: NatsCluster,
@@ -160,44 +135,16 @@ async def test_a_watch_whose_server_dies_sees_the_next_change_within_seconds(
     runner's of joins must not go blind for long when that server dies: no longer than nats-py
     takes to notice, or, when that server held the JetStream metadata, than the others take to
     elect a new holder."""
-    bus = await _open(cluster)
-    try:
-        counter = bus.bucket(BUCKET, Count)
-        await counter.put("n", Count(0))
-        seen: dict[int, float] = {}
-        arrived = {0: asyncio.Event(), 1: asyncio.Event()}
-
-        async def watch() -> None:
-            async for change in counter.watch("n"):
-                if change.value is not None:
-                    seen[change.value.value] = time.monotonic()
-                    arrived[change.value.value].set()
-
-        watcher = asyncio.create_task(watch())
-        await asyncio.wait_for(arrived[0].wait(), 10)
-        consumers = await bus.js._jsm.consumers_info(f"KV_{BUCKET}")
-        assert len(consumers) == 1 and consumers[0].cluster is not None
-        assert consumers[0].config.idle_heartbeat == 1.0
-        killed_at, killed_wall = time.monotonic(), time.time()
-        cluster.kill(_index(consumers[0].cluster.leader))
-        await counter.put("n", Count(1))  # retried through a leader election if need be
-        written = time.monotonic()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(arrived[1].wait(), 30)
-        assert 1 in seen, "the watch never saw the change"
-        elected_wall = _metadata_leader_elected_after(cluster, killed_wall)
-        if elected_wall is None:
-            blind = seen[1] - written
-            assert blind <= WATCH_BLIND_AT_MOST_SECONDS, (
-                f"the watch saw the change {blind:.1f} s late"
-            )
-        else:
-            elected = killed_at + (elected_wall - killed_wall)
-            late = seen[1] - max(written, elected)
-            assert late <= WATCH_AFTER_ELECTION_AT_MOST_SECONDS, (
-                f"the watch saw the change {late:.1f} s after a new metadata leader was elected "
-                f"({elected - killed_at:.1f} s after the kill)"
-            )
-        watcher.cancel()
-    finally:
-        await bus.close()
+    kill = await watch_through_a_kill(cluster)
+    assert kill.heartbeat_s == 1.0
+    assert kill.blind_s is not None, "the watch never saw the change"
+    if kill.election_s is None:
+        assert kill.blind_s <= WATCH_BLIND_AT_MOST_SECONDS, (
+            f"the watch saw the change {kill.blind_s:.1f} s late"
+        )
+    else:
+        assert kill.after_election_s is not None
+        assert kill.after_election_s <= WATCH_AFTER_ELECTION_AT_MOST_SECONDS, (
+            f"the watch saw the change {kill.after_election_s:.1f} s after a new metadata "
+            f"leader was elected ({kill.election_s:.1f} s after the kill)"
+        )
