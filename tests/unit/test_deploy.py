@@ -22,7 +22,7 @@ MOST_EXPOSED = 5.0  # systemd-analyze security: up to 5.0 is "OK"
 
 def _manifests() -> list[tuple[str, dict[str, Any]]]:
     found = []
-    for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
+    for path in sorted((DEPLOY / "kubernetes").rglob("*.yaml")):
         if path.name == "nats-values.yaml":
             continue
         found += [(path.name, doc) for doc in yaml.safe_load_all(path.read_text()) if doc]
@@ -67,6 +67,39 @@ def test_each_relay_pod_uses_the_bus_user_of_its_own_node() -> None:
     assert credentials == "/etc/nodus/credentials/$(NODE_NAME).nk"
     # Kubernetes expands $(NODE_NAME) only from a variable defined before it.
     assert env.index("NODE_NAME") < env.index("NODUS_CREDENTIALS")
+
+
+def test_a_relay_node_runs_a_relay_per_core_each_its_own_and_all_on_443() -> None:
+    # deploy/kubernetes/relay-per-core: as nodus-relay@.service, relays of their own (name,
+    # mesh port, key, journal, bus user, metrics) sharing the node's 443 for members.
+    by_name = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    pod = by_name[("Deployment", "nodus-relay-per-core")]["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True
+    relays = pod["containers"]
+    assert len(relays) >= 2
+
+    def arg(container: dict[str, Any], flag: str) -> str:
+        args = container["args"]
+        return str(args[args.index(flag) + 1])
+
+    def env(container: dict[str, Any], name: str) -> str:
+        return str(next(e["value"] for e in container["env"] if e["name"] == name))
+
+    ports = [arg(c, "--listen").rsplit(":", 1)[1] for c in relays]
+    assert [arg(c, "--name") for c in relays] == [f"$(NODE_NAME)-{p}" for p in ports]
+    assert [env(c, "NODUS_CREDENTIALS") for c in relays] == [
+        f"/etc/nodus/credentials/$(NODE_NAME)-{p}.nk" for p in ports
+    ]
+    for flag in ("--listen", "--key-file", "--usage-journal", "--metrics-port"):
+        assert len({arg(c, flag) for c in relays}) == len(relays), flag
+    assert {arg(c, "--share-port") for c in relays} == {"443"}
+    # Kubernetes refuses one host port declared twice in a pod: 443 and STUN's are declared once.
+    declared = [p.get("hostPort") for c in relays for p in c["ports"] if p.get("hostPort")]
+    assert sorted(declared) == sorted({*declared}) and 443 in declared
+    mesh = by_name[("ConfigMap", "nodus-relay-per-core")]["data"]["meshWith"].split(",")
+    assert {m.rsplit(":", 1)[1] for m in mesh} == set(ports)
+    # One user for every relay of the pod: the kernel shares a port only between its sockets.
+    assert len({str(c.get("securityContext", {}).get("runAsUser")) for c in relays}) == 1
 
 
 def test_each_machines_agent_and_monitor_use_their_machines_own_users_and_facts() -> None:
