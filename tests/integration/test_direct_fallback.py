@@ -142,3 +142,53 @@ def test_udp_cut_mid_iperf3_falls_back_to_the_relays_and_comes_back(
             logged = next(tmp_path.glob(f"{name}.*.log")).read_text()
             assert "Traceback" not in logged and "crashed" not in logged, logged[-2000:]
         print(f"fallback after {degraded:.1f} s; direct again {restored:.1f} s after the restore")
+
+
+RESCUE_SECONDS_RUN = 26
+RESCUE_CUT_AT, RESCUE_KILL_AT = 4.0, 8.0
+
+
+def test_a_pair_falling_back_outlives_both_of_its_relays_lost(lab: NetLab, tmp_path: Path) -> None:
+    """UDP cut, so the pair goes through relay-0 and relay-1, then both are SIGKILLed and never
+    come back (their host lost): after their 5-s wait both members are given relay-2 (meshed
+    with the others) and iperf3 goes on to its end through it."""
+    with direct_members(lab, tmp_path, MACHINES, relays=3) as members:
+        server = subprocess.Popen(
+            lab.machine_argv("home-b", ["iperf3", "-s", "-1", "-B", "100.64.9.2"]),
+            stdout=subprocess.DEVNULL,
+        )
+        members.others.append(server)
+        time.sleep(0.5)
+        iperf3 = ["iperf3", "-c", "100.64.9.2", "-t", str(RESCUE_SECONDS_RUN), "-b", "100M"]
+        client = subprocess.Popen(
+            lab.machine_argv("lambda-a", [*iperf3, "--json"]),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        members.others.append(client)
+        began = time.monotonic()
+        time.sleep(RESCUE_CUT_AT)
+        subprocess.run(
+            lab.machine_argv("lambda-a", ["nft", "-f", "-"]), input=CUT, text=True, check=True
+        )
+        degraded = _until(lambda: _all(members, "derp:"), 10.0)
+        assert degraded is not None, f"still direct 10 s after UDP was cut: see {tmp_path}"
+        time.sleep(max(0.0, RESCUE_KILL_AT - (time.monotonic() - began)))
+        for relay in members.others[:2]:  # the pair's two relays, by name: relay-0, relay-1
+            relay.kill()
+            relay.wait()
+        try:
+            out, _ = client.communicate(timeout=RESCUE_SECONDS_RUN + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"iperf3 stalled once both relays were lost: see {tmp_path}")
+        assert client.returncode == 0, out[-2000:]
+        report = json.loads(out)
+        seconds = {int(i["sum"]["start"]): i["sum"]["bytes"] for i in report["intervals"]}
+        # Through relay-2 after the members' wait and TCP's backed-off resend: bytes move again
+        # and go on to the end.
+        resumed = min((t for t, b in seconds.items() if t > RESCUE_KILL_AT and b), default=-1)
+        assert RESCUE_KILL_AT < resumed < RESCUE_SECONDS_RUN - 4, seconds
+        assert all(b > 0 for t, b in seconds.items() if t >= resumed), seconds
+        for name, *_ in MACHINES:
+            log = next(tmp_path.glob(f"{name}.*.log")).read_text()
+            assert "adding relay relay-2" in log, f"{name}: see {tmp_path}"

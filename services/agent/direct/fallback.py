@@ -7,8 +7,9 @@ epoch's key; relays carry only WireGuard messages between members of one gang ep
 the relay delivers from the peer is sent to WireGuard from the same socket, so WireGuard
 sees one peer, whichever path carries it, and the TCP connections inside `nodus0` go on.
 
-Two relays, like the Relayed path: the first one up is home; when it goes, the other one.
-Datagrams are datagrams: one that cannot be sent (no relay, or the relay's queue is full) is
+Two relays homed on as the Relayed path's are (`RelayHome`): the gang's first relay is home,
+when it goes the other one, and when both are lost for good another live relay
+(`rescue_when_stranded`, which the member runs). Datagrams are datagrams: one that cannot be sent (no relay, or the relay's queue is full) is
 dropped and counted, and WireGuard and TCP inside recover it.
 """
 
@@ -22,10 +23,11 @@ from typing import cast
 from prometheus_client import Counter
 
 from libs.contracts.bounds import FALLBACK_QUEUE_BYTES
-from libs.contracts.relay import RelayDoor
+from libs.contracts.relay import RelayDoor, RelayRecord, member_door
 from libs.relayproto import Message
 from libs.relayproto.client import RelayClient
 from libs.runtime.tasks import TaskSet
+from services.agent.relayed.homing import RelayHome
 
 log = logging.getLogger("nodus.agent.fallback")
 
@@ -72,38 +74,43 @@ class RelayFallback:
     ) -> None:
         self.node = node
         self.wireguard_port = wireguard_port
-        self.clients = [
-            RelayClient(
-                name,
-                address,
-                gang,
-                epoch,
-                node,
-                wg_private,
-                wg_public,
-                self._received,
-                route_key=key,
-            )
-            for name, address, key in relays
-        ]
-        self.home: RelayClient | None = None
+        self._gang, self._epoch = gang, epoch
+        self._keys = wg_private, wg_public
+        # Datagrams: nothing to resend when the home relay changes (WireGuard and TCP do).
+        self.relays = RelayHome(node, [self.client_for(door) for door in relays], lambda: None)
         self.bridges: dict[bytes, _Bridge] = {}
         self._tasks = TaskSet("relay fallback", log)
         self._sent = FALLBACK_BYTES.labels(node, "sent")
         self._got = FALLBACK_BYTES.labels(node, "received")
         self._drops = FALLBACK_DROPS.labels(node)
 
+    def client_for(self, relay: RelayDoor | RelayRecord) -> RelayClient:
+        """A connection to `relay` (not yet dialled) carrying this member's pairs."""
+        name, address, key = member_door(relay) if isinstance(relay, RelayRecord) else relay
+        return RelayClient(
+            name,
+            address,
+            self._gang,
+            self._epoch,
+            self.node,
+            *self._keys,
+            self._received,
+            route_key=key,
+        )
+
+    @property
+    def home(self) -> RelayClient | None:
+        return self.relays.home
+
     @property
     def path(self) -> str:
-        return f"derp:{self.home.region}" if self.home is not None else "none"
+        return self.relays.path
 
     async def start(self) -> None:
-        for client in self.clients:
-            self._tasks.spawn(client.keep(self._up, self._down, log), name=f"relay {client.name}")
+        self.relays.keep(self._tasks)
 
     async def stop(self) -> None:
-        for client in self.clients:
-            client.close()
+        self.relays.close()
         await self._tasks.close()
         for bridge in self.bridges.values():
             if bridge.transport is not None:
@@ -136,19 +143,3 @@ class RelayFallback:
             return  # a peer of the epoch this member has no pair with yet
         self._got.inc(len(message))
         bridge.transport.sendto(message, bridge.wireguard)
-
-    def _up(self, client: RelayClient) -> None:
-        if self.home is None:
-            self.home = client
-            client.home(False)
-            log.info("%s: relay %s carries the pairs that are not direct", self.node, client.name)
-
-    def _down(self, client: RelayClient) -> None:
-        if self.home is not client:
-            return
-        self.home = next((c for c in self.clients if c is not client and c.up), None)
-        if self.home is not None:
-            self.home.home(True)
-            log.warning("relay %s lost; fallback moves to %s", client.name, self.home.name)
-        else:
-            log.warning("relay %s lost and no other relay is up", client.name)

@@ -20,6 +20,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import msgspec
 from nats.errors import Error as NatsError
@@ -30,7 +31,13 @@ from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.errors import ErrorCode, NodusError
-from libs.contracts.relay import IceOffer, Member, MemberPaths, PathHeartbeat, member_door
+from libs.contracts.relay import (
+    IceOffer,
+    Member,
+    MemberPaths,
+    PathHeartbeat,
+    member_door,
+)
 from libs.jobs.relays import NOWHERE, Whereabouts, nearest_first
 from libs.runtime.tasks import TaskSet
 from libs.wg import key_from_base64, public_key
@@ -42,7 +49,8 @@ from services.agent.direct.nodus0 import Nodus0
 from services.agent.direct.pairpath import HEARTBEAT_INTERVAL, PairPath
 from services.agent.direct.wgport import Mapping, PortMap
 from services.agent.introductions import introduced_peer
-from services.agent.relayed.member import live_relays
+from services.agent.relayed.homing import rescue_when_stranded
+from services.agent.relayed.member import live_relays, spare_relays
 
 log = logging.getLogger("nodus.agent.direct")
 
@@ -196,6 +204,14 @@ class DirectMember:
             LISTEN_PORT,
         )
         await self.fallback.start()
+        self._tasks.spawn(
+            rescue_when_stranded(
+                self.fallback.relays,
+                partial(spare_relays, self.bus, self.where, self.epoch.gang),
+                self.fallback.client_for,
+            ),
+            name="fallback rescue",
+        )
         self._heartbeats, _ = await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: _Heartbeats(self), local_addr=(self.member.address, HEARTBEAT_PORT)
         )

@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
+from nats.errors import Error as NatsError
 from prometheus_client import Counter
 
+from libs.contracts.errors import NodusError
+from libs.contracts.relay import RelayRecord
 from libs.relayproto.client import RelayClient
 from libs.runtime.tasks import TaskSet
 from libs.tunnel import Link
@@ -227,6 +230,40 @@ class RelayHome:
                 self._make_home(relay, failover=True)
                 return
         log.warning("relay %s lost and no other relay is up", lost.name)
+
+
+async def rescue_when_stranded(
+    relays: RelayHome,
+    spares: Callable[[], Awaitable[list[RelayRecord]]],
+    client_for: Callable[[RelayRecord], RelayClient],
+) -> None:
+    """A gang's two relays are its for the epoch; when both have been down longer than a
+    restart takes (their host lost, or both lost at once), the member is given the first of
+    `spares()` (the live relays in its order of preference) it does not have: every relay
+    meshes with every other, so its peers, wherever they are homed, reach it there. Once the
+    chosen relay is back and stays up, the member moves home to it, as after any failover.
+    Runs until cancelled: the Relayed path's tunnel and a Direct member's fallback alike."""
+    said = False  # that no other relay is live, once per stranding
+    while True:
+        await relays.changed(1.0)
+        if relays.stranded_for() < RESCUE_SECONDS:
+            said = False
+            continue
+        if relays.rescues >= RESCUES_AT_MOST:
+            continue  # said at each rescue; the relays it has are still dialled
+        try:
+            records = await spares()
+        except (NodusError, NatsError, OSError, TimeoutError) as error:  # the bus down too
+            log.warning("no relay list to rescue %s from: %s", relays.node, error)
+            continue
+        have = {r.name for r in relays.relays}
+        spare = [r for r in records if r.name not in have]
+        if not spare:
+            if not said:
+                log.warning("%s: no relay it has is up, and no other is live", relays.node)
+                said = True
+            continue
+        relays.rescue(client_for(spare[0]))
 
 
 class ReturnHome:

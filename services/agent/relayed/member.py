@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-
-from nats.errors import Error as NatsError
+from functools import partial
 
 from libs.bus import Bus, Versioned
 from libs.contracts import names
@@ -23,6 +22,7 @@ from libs.contracts.relay import (
     member_door,
 )
 from libs.jobs.relays import NOWHERE, Whereabouts, is_live, nearest_first
+from libs.relayproto.client import RelayClient
 from libs.runtime.tasks import cancel_and_wait
 from libs.wg import key_from_base64
 from services.agent.introductions import introduced_peer
@@ -45,6 +45,12 @@ def _live(records: dict[str, Versioned[RelayRecord]]) -> list[RelayRecord]:
 async def live_relays(bus: Bus) -> list[RelayRecord]:
     """The relays whose heartbeats are fresh, in a stable order."""
     return _live(await bus.bucket(names.BUCKET_RELAYS, RelayRecord).snapshot())
+
+
+async def spare_relays(bus: Bus, where: Whereabouts, gang: str) -> list[RelayRecord]:
+    """The live relays nearest `where` first, in `gang`'s own order among equals: what a
+    member whose gang's relays are both lost is given one of (`homing.rescue_when_stranded`)."""
+    return nearest_first(await live_relays(bus), where, spread=gang)
 
 
 async def pick_relays(
@@ -121,7 +127,13 @@ class RelayedMember:
         ready = asyncio.Event()
         self._tasks = [
             asyncio.create_task(self._watch_peers(ready)),
-            asyncio.create_task(self._rescue_when_stranded(self.tunnel)),
+            asyncio.create_task(
+                homing.rescue_when_stranded(
+                    self.tunnel.relays,
+                    partial(spare_relays, self.bus, self.where, self.epoch.gang),
+                    self._client_for,
+                )
+            ),
         ]
         await ready.wait()
         await self.tunnel.start()
@@ -159,34 +171,7 @@ class RelayedMember:
                 continue
             self.tunnel.add_peer(peer.node, peer.address, key)
 
-    async def _rescue_when_stranded(self, tunnel: Tunnel) -> None:
-        """The gang's two relays are its for the epoch; when both have been down longer than a
-        restart takes (their host lost, or both lost at once), the member is given the live
-        relay nearest it that it does not have: every relay meshes with every other, so its
-        peers, wherever they are homed, reach it there. Once the chosen relay is back and stays
-        up, the member moves home to it, as after any failover."""
-        relays = tunnel.relays
-        said = False  # that no other relay is live, once per stranding
-        while True:
-            await relays.changed(1.0)
-            if relays.stranded_for() < homing.RESCUE_SECONDS:
-                said = False
-                continue
-            if relays.rescues >= homing.RESCUES_AT_MOST:
-                continue  # said at each rescue; the relays it has are still dialled
-            try:
-                records = await live_relays(self.bus)
-            except (NodusError, NatsError, OSError, TimeoutError) as error:  # the bus down too
-                log.warning("no relay list to rescue %s from: %s", self.member.node, error)
-                continue
-            have = {r.name for r in relays.relays}
-            nearest = nearest_first(records, self.where, spread=self.epoch.gang)
-            spare = [r for r in nearest if r.name not in have]
-            if not spare:
-                if not said:
-                    log.warning("%s: no relay it has is up, and no other is live", tunnel.node)
-                    said = True
-                continue
-            record = spare[0]
-            takes_totals = CAPABILITY_USAGE_TOTALS in record.capabilities
-            relays.rescue(relay_client(tunnel, member_door(record), takes_totals))
+    def _client_for(self, record: RelayRecord) -> RelayClient:
+        assert self.tunnel is not None
+        takes_totals = CAPABILITY_USAGE_TOTALS in record.capabilities
+        return relay_client(self.tunnel, member_door(record), takes_totals)
