@@ -47,6 +47,10 @@ class FaultRecord:
     gang: str | None = None
     epoch: int | None = None
     placed_again: bool | None = None
+    silenced_time: float | None = None  # time.time() its agent was stopped
+    # The job ended on its own before the member was due to be lost (its ranks' exits were
+    # reported just before the stop): no later epoch is owed.
+    ended_first: bool | None = None
 
 
 @dataclass
@@ -212,7 +216,8 @@ class ChaosChecks:
                 continue
             found = by_key.get(fault.gang)
             fault.placed_again = found is not None and found.status.epoch > fault.epoch
-            if not fault.placed_again:
+            fault.ended_first = found is not None and ended_before_lost(found, fault)
+            if not fault.placed_again and not fault.ended_first:
                 self.report.violations.append(
                     f"{fault.target} was silent {LOSE_MEMBER_SECONDS:g} s, past the "
                     f"{HEARTBEAT_TIMEOUT_SECONDS:g}-s heartbeat timeout, while a member of "
@@ -337,3 +342,13 @@ class ChaosChecks:
                 f"{len(missing)} events a client saw are not in {names.EVENTS_STREAM}: "
                 f"{missing[:5]}"
             )
+
+
+def ended_before_lost(job: Job, fault: FaultRecord) -> bool:
+    """The job's epoch of the fault ended on its own before the placer could have judged the
+    silent member lost (the heartbeat timeout after the stop)."""
+    status = job.status
+    finished = status.finished_time
+    if status.epoch != fault.epoch or finished is None or fault.silenced_time is None:
+        return False
+    return finished.timestamp() < fault.silenced_time + HEARTBEAT_TIMEOUT_SECONDS

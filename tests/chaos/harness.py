@@ -280,7 +280,7 @@ class Chaos(ChaosChecks):
             if member is None:
                 self.report.violations.append("lose-member: no job ran for 30 s")
                 return "nobody", 0.0
-            node, record.gang, record.epoch = member
+            node, record.gang, record.epoch, record.silenced_time = member
             target = f"agent-{node}"
             await asyncio.sleep(LOSE_MEMBER_SECONDS)
             os.kill(system.child(target).process.pid, signal.SIGCONT)
@@ -301,10 +301,13 @@ class Chaos(ChaosChecks):
         system.restart(target)
         return target, down
 
-    async def _silence_a_member(self, timeout: float = 30.0) -> tuple[str, str, int] | None:
+    async def _silence_a_member(self, timeout: float = 30.0) -> tuple[str, str, int, float] | None:
         """SIGSTOP the agent of a member whose rank still runs once its agent is stopped: a
         rank that exited between the choice and the stop was reported (chaos seed 1 in CI),
-        its job could end before the member was due to be lost, and another is chosen."""
+        its job could end before the member was due to be lost, and another is chosen. A
+        read can still lag the exit (a replica behind its leader): the check then finds the
+        job ended before the member was due to be lost, and owes no later epoch.
+        (node, gang, epoch, when the agent was stopped)."""
         assert self.system is not None and self.client is not None
         await self.client.bus.ensure_bucket(names.BUCKET_RANKS)
         ranks = self.client.bus.bucket(names.BUCKET_RANKS, RankStatus)
@@ -316,9 +319,10 @@ class Chaos(ChaosChecks):
             node, gang, epoch = member
             pid = self.system.child(f"agent-{node}").process.pid
             os.kill(pid, signal.SIGSTOP)
+            stopped = time.time()
             records = await ranks.snapshot(f"{gang}.{epoch}.>")
             if any(r.value.node == node and r.value.state == "Running" for r in records.values()):
-                return member
+                return node, gang, epoch, stopped
             os.kill(pid, signal.SIGCONT)
         return None
 
