@@ -9,8 +9,9 @@ sees one peer, whichever path carries it, and the TCP connections inside `nodus0
 
 Two relays homed on as the Relayed path's are (`RelayHome`): the gang's first relay is home,
 when it goes the other one, and when both are lost for good another live relay
-(`rescue_when_stranded`, which the member runs). Datagrams are datagrams: one that cannot be sent (no relay, or the relay's queue is full) is
-dropped and counted, and WireGuard and TCP inside recover it.
+(`rescue_when_stranded`, which the member runs). Datagrams are datagrams: one that cannot be
+sent (no relay, or the relay's queue is full) is dropped and counted, and WireGuard and TCP
+inside recover it.
 """
 
 from __future__ import annotations

@@ -31,13 +31,7 @@ from libs.contracts import names
 from libs.contracts.base import now
 from libs.contracts.epochs import Epoch, EpochMember
 from libs.contracts.errors import ErrorCode, NodusError
-from libs.contracts.relay import (
-    IceOffer,
-    Member,
-    MemberPaths,
-    PathHeartbeat,
-    member_door,
-)
+from libs.contracts.relay import IceOffer, Member, MemberPaths, PathHeartbeat, member_door
 from libs.jobs.relays import NOWHERE, Whereabouts, nearest_first
 from libs.runtime.tasks import TaskSet
 from libs.wg import key_from_base64, public_key
