@@ -65,9 +65,16 @@ def _until(check: Callable[[], bool], limit: float) -> float | None:
 
 
 def _all(members: Members, prefix: str) -> bool:
-    return all(
-        path.startswith(prefix) for name, *_ in MACHINES for path in members.paths(name).values()
-    )
+    return all(path.startswith(prefix) for path in _paths(members).values())
+
+
+def _paths(members: Members) -> dict[str, str]:
+    """Each member's path to each peer: `machine->peer` -> direct, derp:REGION or none."""
+    return {
+        f"{name}->{peer}": path
+        for name, *_ in MACHINES
+        for peer, path in members.paths(name).items()
+    }
 
 
 def test_udp_cut_mid_iperf3_falls_back_to_the_relays_and_comes_back(
@@ -98,7 +105,9 @@ def test_udp_cut_mid_iperf3_falls_back_to_the_relays_and_comes_back(
         )
         assert cut.returncode == 0
         degraded = _until(lambda: _all(members, "derp:"), 10.0)
-        assert degraded is not None, f"still direct 10 s after UDP was cut: see {tmp_path}"
+        assert degraded is not None, (
+            f"not all on the relays 10 s after UDP was cut: {_paths(members)}; see {tmp_path}"
+        )
         time.sleep(max(0.0, KILL_AT - (time.monotonic() - began)))
         relay = members.others[0]  # relay-0: who is homed on it moves to relay-1 (meshed)
         relay.kill()
@@ -122,7 +131,9 @@ def test_udp_cut_mid_iperf3_falls_back_to_the_relays_and_comes_back(
         assert 0 <= resumed < KILL_AT, seconds  # the relays carried the pair when one was killed
         assert all(b > 0 for t, b in seconds.items() if not CUT_AT <= t < resumed), seconds
         assert report["end"]["sum_received"]["bytes"] > 0
-        assert restored is not None, f"not direct again 40 s after UDP came back: see {tmp_path}"
+        assert restored is not None, (
+            f"not direct again 40 s after UDP came back: {_paths(members)}; see {tmp_path}"
+        )
         # And the other way, direct again: home-b (behind its NAT) sends to lambda-a.
         back = subprocess.Popen(
             lab.machine_argv("lambda-a", ["iperf3", "-s", "-1", "-B", "100.64.9.1"]),
@@ -172,7 +183,9 @@ def test_a_pair_falling_back_outlives_both_of_its_relays_lost(lab: NetLab, tmp_p
             lab.machine_argv("lambda-a", ["nft", "-f", "-"]), input=CUT, text=True, check=True
         )
         degraded = _until(lambda: _all(members, "derp:"), 10.0)
-        assert degraded is not None, f"still direct 10 s after UDP was cut: see {tmp_path}"
+        assert degraded is not None, (
+            f"not all on the relays 10 s after UDP was cut: {_paths(members)}; see {tmp_path}"
+        )
         time.sleep(max(0.0, RESCUE_KILL_AT - (time.monotonic() - began)))
         for relay in members.others[:2]:  # the pair's two relays, by name: relay-0, relay-1
             relay.kill()
