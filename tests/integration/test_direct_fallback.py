@@ -197,11 +197,12 @@ def test_a_pair_falling_back_outlives_both_of_its_relays_lost(lab: NetLab, tmp_p
         assert client.returncode == 0, out[-2000:]
         report = json.loads(out)
         seconds = {int(i["sum"]["start"]): i["sum"]["bytes"] for i in report["intervals"]}
-        # Through relay-2 after the members' wait and TCP's backed-off resend: bytes move again
-        # and go on to the end.
+        # Through relay-2 after the members' 5-s wait and TCP's backed-off resend: bytes move
+        # again (measured 6 s after the kill), and once TCP has recovered (a second or two of
+        # its slow start) in every second to the end.
         resumed = min((t for t, b in seconds.items() if t > RESCUE_KILL_AT and b), default=-1)
-        assert RESCUE_KILL_AT < resumed < RESCUE_SECONDS_RUN - 4, seconds
-        assert all(b > 0 for t, b in seconds.items() if t >= resumed), seconds
+        assert RESCUE_KILL_AT < resumed < RESCUE_SECONDS_RUN - 6, seconds
+        assert all(b > 0 for t, b in seconds.items() if t >= resumed + 3), seconds
         for name, *_ in MACHINES:
             log = next(tmp_path.glob(f"{name}.*.log")).read_text()
             assert "adding relay relay-2" in log, f"{name}: see {tmp_path}"
