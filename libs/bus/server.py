@@ -326,8 +326,11 @@ class NatsCluster:
             for line in (server.store_dir / "nats-server.log").read_bytes().splitlines():
                 if any(marker in line for marker in META_LEADER):
                     # b"[pid] 2026/12/06 16:55:53.789123 [INF] ...", in local time
-                    stamp = b" ".join(line.split()[1:3]).decode()
-                    at = datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                    stamp = b" ".join(line.split()[1:3]).decode(errors="replace")
+                    try:
+                        at = datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                    except ValueError:  # a server logging without times: says nothing
+                        continue
                     if at > wall:
                         stamps.append(at)
         return min(stamps, default=None)

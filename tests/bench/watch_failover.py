@@ -21,7 +21,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -134,11 +134,7 @@ async def _kill(state: Path, try_seconds: float) -> dict[str, Any]:
         kill = await watch_through_a_kill(cluster)
     finally:
         cluster.stop()
-    return {
-        "blind_s": kill.blind_s,
-        "election_s": kill.election_s,
-        "after_election_s": kill.after_election_s,
-    }
+    return asdict(kill)
 
 
 def _summary(kills: list[dict[str, Any]]) -> dict[str, Any]:
